@@ -1,0 +1,18 @@
+// libkda: Kimi Delta Attention kernels. Umbrella header.
+#pragma once
+
+#include "kda/memory.hpp"
+#include "kda/ops.hpp"
+#include "kda/options.hpp"
+#include "kda/status.hpp"
+#include "kda/tensor.hpp"
+
+namespace kda {
+
+// Library version, "MAJOR.MINOR.PATCH".
+const char* version();
+// The CPU kernel target chosen at run time ("avx512", "avx2" or "generic").
+// The environment variable KDA_CPU_TARGET forces a lower one (for tests).
+const char* cpu_target();
+
+}  // namespace kda

@@ -1,0 +1,356 @@
+// Argument validation and segment planning for the forward (SPEC.md 1.1-1.3).
+// Every message names the argument, what was expected and what was given. Nothing is written
+// to any output before this has succeeded.
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <thread>
+
+#include "core/dtype.hpp"
+#include "core/problem.hpp"
+
+namespace kda::detail {
+namespace {
+
+template <typename... Parts>
+Status fail(const Parts&... parts) {
+  std::ostringstream os;
+  os << "kda: ";
+  (os << ... << parts);
+  return Status::error(os.str());
+}
+
+bool is_float(DType d) {
+  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF64;
+}
+
+Status check_float(const char* name, const TensorView& t, bool oracle) {
+  if (!is_float(t.dtype) || (!oracle && t.dtype == DType::kF64)) {
+    return fail("argument '", name, "': expected dtype float32, bfloat16 or float16",
+                oracle ? " (or float64 for the oracle)" : "", ", got ", dtype_name(t.dtype));
+  }
+  return {};
+}
+
+Status check_present(const char* name, const TensorView& t) {
+  if (!t.defined()) return fail("argument '", name, "' is required but was not given");
+  if (t.ndim > kMaxDims) return fail("argument '", name, "': at most ", kMaxDims, " dims, got ", t.ndim);
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) return fail("argument '", name, "': negative size in shape ", t.shape_str());
+  }
+  if (t.data == nullptr && t.numel() > 0) {
+    return fail("argument '", name, "': data pointer is null for a non-empty tensor ", t.shape_str());
+  }
+  return {};
+}
+
+// Checks ndim and each size; -1 in `expected` means "any" (and records the size in `out`).
+Status check_shape(const char* name, const TensorView& t, std::initializer_list<std::int64_t> expected,
+                   const char* dims_desc) {
+  KDA_RETURN_IF_ERROR(check_present(name, t));
+  std::ostringstream want;
+  want << "[";
+  int i = 0;
+  bool match = t.ndim == static_cast<int>(expected.size());
+  for (std::int64_t e : expected) {
+    want << (i ? ", " : "") << e;
+    if (match && t.shape[i] != e) match = false;
+    ++i;
+  }
+  want << "]";
+  if (!match) {
+    return fail("argument '", name, "': expected shape ", dims_desc, " = ", want.str(), ", got ",
+                t.shape_str());
+  }
+  return {};
+}
+
+// Outputs must not alias themselves: no zero stride on a dimension of size > 1.
+Status check_writable(const char* name, const TensorView& t) {
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] > 1 && t.strides[i] == 0) {
+      return fail("argument '", name, "': output has a zero (broadcast) stride on dim ", i,
+                  " of shape ", t.shape_str(), "; outputs need distinct elements");
+    }
+  }
+  return {};
+}
+
+Status check_state(const char* name, const TensorView& t, const Problem& p, std::int64_t per_row,
+                   bool segment_ids, bool kfirst, StateAddressing* addr) {
+  const std::int64_t a = kfirst ? p.K : p.V;
+  const std::int64_t b = kfirst ? p.V : p.K;
+  const char* desc = kfirst ? (segment_ids ? "[B, max_num_segments, HV, K, V]" : "[N, HV, K, V]")
+                            : (segment_ids ? "[B, max_num_segments, HV, V, K]" : "[N, HV, V, K]");
+  if (segment_ids) {
+    KDA_RETURN_IF_ERROR(check_shape(name, t, {p.B, per_row, p.HV, a, b}, desc));
+    addr->per_row = per_row;
+    addr->stride_row = t.strides[0];
+    addr->stride_slot = t.strides[1];
+  } else {
+    KDA_RETURN_IF_ERROR(check_shape(name, t, {p.num_states, p.HV, a, b}, desc));
+    addr->per_row = p.num_states > 0 ? p.num_states : 1;
+    addr->stride_row = 0;
+    addr->stride_slot = t.strides[0];
+  }
+  const int nd = t.ndim;
+  addr->stride_hv = t.strides[nd - 3];
+  addr->stride_k = kfirst ? t.strides[nd - 2] : t.strides[nd - 1];
+  addr->stride_v = kfirst ? t.strides[nd - 1] : t.strides[nd - 2];
+  return {};
+}
+
+Status plan_cu_seqlens(const TensorView& cu, Problem* p) {
+  KDA_RETURN_IF_ERROR(check_present("cu_seqlens", cu));
+  if (cu.ndim != 1 || cu.shape[0] < 1) {
+    return fail("argument 'cu_seqlens': expected shape [N + 1] with N >= 0, got ", cu.shape_str());
+  }
+  if (cu.dtype != DType::kI32 && cu.dtype != DType::kI64) {
+    return fail("argument 'cu_seqlens': expected dtype int32 or int64, got ", dtype_name(cu.dtype));
+  }
+  if (p->B != 1) {
+    return fail("argument 'cu_seqlens': packed sequences need batch size B = 1, got B = ", p->B);
+  }
+  const std::int64_t n = cu.shape[0] - 1;
+  if (load_index(cu, 0) != 0) {
+    return fail("argument 'cu_seqlens': expected cu_seqlens[0] = 0, got ", load_index(cu, 0));
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t a = load_index(cu, i), b = load_index(cu, i + 1);
+    if (b < a) {
+      return fail("argument 'cu_seqlens': expected non-decreasing values, got cu_seqlens[", i, "] = ", a,
+                  " > cu_seqlens[", i + 1, "] = ", b);
+    }
+  }
+  if (load_index(cu, n) != p->T) {
+    return fail("argument 'cu_seqlens': expected the last value to equal the total tokens T = ", p->T,
+                ", got ", load_index(cu, n));
+  }
+  p->num_states = n;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t a = load_index(cu, i), b = load_index(cu, i + 1);
+    p->segments.push_back({0, a, b - a, i});
+  }
+  return {};
+}
+
+Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Problem* p) {
+  KDA_RETURN_IF_ERROR(check_present("segment_ids", ids));
+  if (ids.dtype != DType::kI32) {
+    return fail("argument 'segment_ids': expected dtype int32, got ", dtype_name(ids.dtype));
+  }
+  const bool broadcast = ids.ndim == 1;
+  if (!((ids.ndim == 1 && ids.shape[0] == p->T) ||
+        (ids.ndim == 2 && ids.shape[0] == p->B && ids.shape[1] == p->T))) {
+    return fail("argument 'segment_ids': expected shape [T] = [", p->T, "] or [B, T] = [", p->B, ", ",
+                p->T, "], got ", ids.shape_str());
+  }
+  if (max_segments < 1) {
+    return fail("argument 'max_num_segments': expected >= 1 with segment_ids, got ", max_segments);
+  }
+  p->num_states = p->B * max_segments;
+  const auto* data = static_cast<const std::int32_t*>(ids.data);
+  for (std::int64_t b = 0; b < p->B; ++b) {
+    const std::int64_t row_off = broadcast ? 0 : b * ids.strides[0];
+    const std::int64_t tstride = ids.strides[ids.ndim - 1];
+    std::int64_t expected_next = 1;  // the id the next run must have
+    std::int64_t run_start = 0;
+    std::int64_t current = -1;  // id of the run in progress
+    bool in_padding = false;
+    for (std::int64_t t = 0; t <= p->T; ++t) {
+      const std::int64_t id = t < p->T ? data[row_off + t * tstride] : -1;
+      if (t < p->T && (id < 0 || id > max_segments)) {
+        return fail("argument 'segment_ids': expected ids in [0, max_num_segments = ", max_segments,
+                    "], got ", id, " at row ", b, ", token ", t);
+      }
+      if (id == current) continue;
+      if (current > 0) p->segments.push_back({b, run_start, t - run_start, b * max_segments + current - 1});
+      if (t == p->T) break;
+      if (id == 0) {
+        in_padding = true;
+      } else {
+        if (in_padding) {
+          return fail("argument 'segment_ids': padding (0) must only appear at the tail of a row, got id ",
+                      id, " after padding at row ", b, ", token ", t);
+        }
+        if (id != expected_next) {
+          return fail("argument 'segment_ids': expected contiguous runs numbered 1, 2, 3, ... in order; at row ",
+                      b, ", token ", t, " expected id ", expected_next, ", got ", id);
+        }
+        ++expected_next;
+      }
+      current = id;
+      run_start = t;
+    }
+    if (in_padding) {
+      std::int64_t pad_start = p->T;
+      while (pad_start > 0 && data[row_off + (pad_start - 1) * tstride] == 0) --pad_start;
+      p->padding.push_back({b, pad_start, p->T});
+    }
+    // Slots with no tokens: empty segments (final state = initial state or 0).
+    for (std::int64_t s = expected_next; s <= max_segments; ++s) {
+      p->segments.push_back({b, 0, 0, b * max_segments + s - 1});
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+int resolve_threads(int requested) {
+  if (requested > 0) return requested;
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  unsigned n = std::thread::hardware_concurrency();
+  return n ? static_cast<int>(n) : 1;
+#endif
+}
+
+Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem) {
+  Problem& p = *problem;
+  p = Problem{};
+  const Options& opt = prm.options;
+  KDA_RETURN_IF_ERROR(check_present("q", prm.q));
+  if (prm.q.ndim != 4) return fail("argument 'q': expected 4 dims [B, T, H, K], got shape ", prm.q.shape_str());
+  p.B = prm.q.shape[0];
+  p.T = prm.q.shape[1];
+  p.H = prm.q.shape[2];
+  p.K = prm.q.shape[3];
+  KDA_RETURN_IF_ERROR(check_present("v", prm.v));
+  if (prm.v.ndim != 4) return fail("argument 'v': expected 4 dims [B, T, HV, V], got shape ", prm.v.shape_str());
+  p.HV = prm.v.shape[2];
+  p.V = prm.v.shape[3];
+  if (p.H < 1 || p.K < 1 || p.HV < 1 || p.V < 1) {
+    return fail("arguments 'q'/'v': H, K, HV and V must be >= 1, got q ", prm.q.shape_str(), ", v ",
+                prm.v.shape_str());
+  }
+  if (p.HV % p.H != 0) {
+    return fail("argument 'v': expected value heads HV to be a multiple of H = ", p.H, ", got HV = ", p.HV);
+  }
+  p.group = p.HV / p.H;
+  KDA_RETURN_IF_ERROR(check_shape("k", prm.k, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"));
+  KDA_RETURN_IF_ERROR(check_shape("v", prm.v, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
+  KDA_RETURN_IF_ERROR(check_shape("g", prm.g, {p.B, p.T, p.HV, p.K}, "[B, T, HV, K]"));
+  KDA_RETURN_IF_ERROR(check_shape("beta", prm.beta, {p.B, p.T, p.HV}, "[B, T, HV]"));
+  KDA_RETURN_IF_ERROR(check_shape("o", prm.o, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
+  KDA_RETURN_IF_ERROR(check_float("q", prm.q, oracle));
+  KDA_RETURN_IF_ERROR(check_float("k", prm.k, oracle));
+  KDA_RETURN_IF_ERROR(check_float("v", prm.v, oracle));
+  KDA_RETURN_IF_ERROR(check_float("g", prm.g, oracle));
+  KDA_RETURN_IF_ERROR(check_float("beta", prm.beta, oracle));
+  KDA_RETURN_IF_ERROR(check_float("o", prm.o, true));
+  if (!oracle && prm.o.dtype != prm.q.dtype) {
+    return fail("argument 'o': expected the dtype of q (", dtype_name(prm.q.dtype), "), got ",
+                dtype_name(prm.o.dtype));
+  }
+  KDA_RETURN_IF_ERROR(check_writable("o", prm.o));
+
+  // Options (SPEC.md 1.3).
+  if (!oracle && opt.chunk_size != 64 && opt.chunk_size != 32 && opt.chunk_size != 16) {
+    return fail("option 'chunk_size': expected 64, 32 or 16, got ", opt.chunk_size);
+  }
+  p.chunk = opt.chunk_size;
+  if (!oracle && opt.path != Path::kFused && opt.path != Path::kStaged) {
+    return fail("option 'path': expected fused or staged, got ", static_cast<int>(opt.path));
+  }
+  if (opt.num_threads < 0) return fail("option 'num_threads': expected >= 0 (0 = all cores), got ", opt.num_threads);
+  p.threads = resolve_threads(opt.num_threads);
+  if (std::isnan(opt.scale)) {
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.K)));
+  } else if (!std::isfinite(opt.scale)) {
+    return fail("option 'scale': expected a finite value, got ", opt.scale);
+  } else {
+    p.scale = opt.scale;
+  }
+  p.l2norm = opt.use_qk_l2norm_in_kernel;
+  if (opt.use_gate_in_kernel) {
+    if (opt.has_lower_bound) {
+      if (!(opt.lower_bound < 0.0f) || !std::isfinite(opt.lower_bound)) {
+        return fail("option 'lower_bound': expected a finite value < 0, got ", opt.lower_bound);
+      }
+      p.gate = GateMode::kLowerBoundSigmoid;
+      p.lower_bound = opt.lower_bound;
+    } else {
+      p.gate = GateMode::kSoftplus;
+      if (!prm.A_log.defined()) {
+        return fail("argument 'A_log': required with use_gate_in_kernel and no lower_bound "
+                    "(g = -exp(A_log) * softplus(g + dt_bias)), but was not given");
+      }
+    }
+    if (prm.A_log.defined()) {
+      KDA_RETURN_IF_ERROR(check_shape("A_log", prm.A_log, {p.HV}, "[HV]"));
+      KDA_RETURN_IF_ERROR(check_float("A_log", prm.A_log, oracle));
+    }
+    if (prm.dt_bias.defined()) {
+      KDA_RETURN_IF_ERROR(check_present("dt_bias", prm.dt_bias));
+      const TensorView& d = prm.dt_bias;
+      const bool ok = (d.ndim == 1 && d.shape[0] == p.HV * p.K) ||
+                      (d.ndim == 2 && d.shape[0] == p.HV && d.shape[1] == p.K);
+      if (!ok) {
+        return fail("argument 'dt_bias': expected shape [HV * K] = [", p.HV * p.K, "] or [HV, K] = [", p.HV,
+                    ", ", p.K, "], got ", d.shape_str());
+      }
+      KDA_RETURN_IF_ERROR(check_float("dt_bias", d, oracle));
+    }
+  } else {
+    if (opt.has_lower_bound) {
+      return fail("option 'lower_bound': only meaningful with use_gate_in_kernel=true, got lower_bound = ",
+                  opt.lower_bound, " with use_gate_in_kernel=false");
+    }
+    if (prm.A_log.defined()) {
+      return fail("argument 'A_log': only used with use_gate_in_kernel=true, but was given with "
+                  "use_gate_in_kernel=false");
+    }
+    if (prm.dt_bias.defined()) {
+      return fail("argument 'dt_bias': only used with use_gate_in_kernel=true, but was given with "
+                  "use_gate_in_kernel=false");
+    }
+  }
+  p.beta_sigmoid = opt.use_beta_sigmoid_in_kernel;
+  if (opt.allow_neg_eigval && !opt.use_beta_sigmoid_in_kernel) {
+    return fail("option 'allow_neg_eigval': requires use_beta_sigmoid_in_kernel=true "
+                "(beta = 2 * sigmoid(beta_raw)), got use_beta_sigmoid_in_kernel=false");
+  }
+  p.beta_scale = opt.allow_neg_eigval ? 2.0f : 1.0f;
+
+  // Sequences (SPEC.md 1.2).
+  const bool has_cu = prm.cu_seqlens.defined();
+  const bool has_ids = prm.segment_ids.defined();
+  if (has_cu && has_ids) {
+    return fail("arguments 'cu_seqlens' and 'segment_ids': give at most one sequence description, got both");
+  }
+  if (!has_ids && prm.max_num_segments != 0) {
+    return fail("argument 'max_num_segments': only used with segment_ids, got ", prm.max_num_segments);
+  }
+  if (has_cu) {
+    KDA_RETURN_IF_ERROR(plan_cu_seqlens(prm.cu_seqlens, &p));
+  } else if (has_ids) {
+    KDA_RETURN_IF_ERROR(plan_segment_ids(prm.segment_ids, prm.max_num_segments, &p));
+  } else {
+    p.num_states = p.B;
+    for (std::int64_t b = 0; b < p.B; ++b) p.segments.push_back({b, 0, p.T, b});
+  }
+
+  const bool kfirst = opt.state_layout == StateLayout::kKFirst;
+  const std::int64_t per_row = has_ids ? prm.max_num_segments : p.num_states;
+  if (prm.initial_state.defined()) {
+    KDA_RETURN_IF_ERROR(check_state("initial_state", prm.initial_state, p, per_row, has_ids, kfirst, &p.init_addr));
+    KDA_RETURN_IF_ERROR(check_float("initial_state", prm.initial_state, oracle));
+  }
+  if (prm.final_state.defined()) {
+    KDA_RETURN_IF_ERROR(check_state("final_state", prm.final_state, p, per_row, has_ids, kfirst, &p.final_addr));
+    if (prm.final_state.dtype != DType::kF32 && !(oracle && prm.final_state.dtype == DType::kF64)) {
+      return fail("argument 'final_state': expected dtype float32", oracle ? " (or float64 for the oracle)" : "",
+                  ", got ", dtype_name(prm.final_state.dtype));
+    }
+    KDA_RETURN_IF_ERROR(check_writable("final_state", prm.final_state));
+  }
+  return {};
+}
+
+}  // namespace kda::detail

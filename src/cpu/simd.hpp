@@ -1,0 +1,158 @@
+// Portable 16-lane fp32 vectors (GCC/Clang vector extensions) and the few vector math
+// functions the kernels need. This file is included by each per-target kernel translation
+// unit inside that target's anonymous namespace, so every function here is compiled once per
+// instruction set (AVX-512 registers on the avx512 target, SSE pairs on the generic one) and
+// has internal linkage: no inline function compiled for AVX-512 can leak into the generic
+// target through the linker.
+//
+// Not included anywhere else. Needs <cstring> and <cstdint> before the enclosing namespace.
+
+typedef float vf __attribute__((vector_size(64), aligned(4)));          // 16 x fp32
+typedef std::int32_t vi __attribute__((vector_size(64), aligned(4)));   // 16 x int32
+constexpr int kLanes = 16;
+
+static inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float x) { return vf{} + x; }
+
+// e^x, about 1 ulp (Cephes expf polynomial with a two-part ln 2). Results below FLT_MIN
+// flush to exactly 0 (no denormals), +-inf and NaN propagate, overflow gives +inf.
+static inline vf vexp(vf x) {
+  const vf log2e = vsplat(1.44269504088896341f);
+  const vf c1 = vsplat(0.693359375f), c2 = vsplat(-2.12194440e-4f);
+  vf xc = x > vsplat(88.3762626647949f) ? vsplat(88.3762626647949f) : x;
+  xc = xc < vsplat(-87.0f) ? vsplat(-87.0f) : xc;
+  vf fx = xc * log2e + vsplat(0.5f);
+  vi ix = __builtin_convertvector(fx, vi);
+  vf fl = __builtin_convertvector(ix, vf);
+  fl = fl > fx ? fl - vsplat(1.0f) : fl;  // floor
+  ix = __builtin_convertvector(fl, vi);
+  vf r = xc - fl * c1 - fl * c2;
+  vf y = vsplat(1.9875691500e-4f);
+  y = y * r + vsplat(1.3981999507e-3f);
+  y = y * r + vsplat(8.3334519073e-3f);
+  y = y * r + vsplat(4.1665795894e-2f);
+  y = y * r + vsplat(1.6666665459e-1f);
+  y = y * r + vsplat(5.0000001201e-1f);
+  y = y * r * r + r + vsplat(1.0f);
+  vi bits = (ix + 127) << 23;
+  vf pow2;
+  std::memcpy(&pow2, &bits, sizeof pow2);
+  vf res = y * pow2;
+  res = x < vsplat(-87.0f) ? vsplat(0.0f) : res;
+  res = x > vsplat(88.3762626647949f) ? vsplat(__builtin_inff()) : res;
+  return x != x ? x : res;
+}
+
+// log(x) for x > 0 (Cephes logf polynomial), about 1 ulp; used for softplus only.
+static inline vf vlog(vf x) {
+  vi bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  vi e = ((bits >> 23) & 0xff) - 126;
+  bits = (bits & 0x007fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+  vf m;
+  std::memcpy(&m, &bits, sizeof m);
+  vf fe = __builtin_convertvector(e, vf);
+  const vf sqrthf = vsplat(0.707106781186547524f);
+  vf small = m < sqrthf ? vsplat(1.0f) : vsplat(0.0f);
+  fe = fe - small;
+  m = m + m * small - vsplat(1.0f);
+  vf z = m * m;
+  vf y = vsplat(7.0376836292e-2f);
+  y = y * m - vsplat(1.1514610310e-1f);
+  y = y * m + vsplat(1.1676998740e-1f);
+  y = y * m - vsplat(1.2420140846e-1f);
+  y = y * m + vsplat(1.4249322787e-1f);
+  y = y * m - vsplat(1.6668057665e-1f);
+  y = y * m + vsplat(2.0000714765e-1f);
+  y = y * m - vsplat(2.4999993993e-1f);
+  y = y * m + vsplat(3.3333331174e-1f);
+  y = y * m * z;
+  y = y + fe * vsplat(-2.12194440e-4f);
+  y = y - vsplat(0.5f) * z;
+  return m + y + fe * vsplat(0.693359375f);
+}
+
+// softplus(x) = max(x, 0) + log1p(e^-|x|); log1p(u) = log(1 + u) * u / ((1 + u) - 1) keeps
+// full relative precision for small u (Goldberg's correction).
+static inline vf vsoftplus(vf x) {
+  vf ax = x < vsplat(0.0f) ? -x : x;
+  vf u = vexp(-ax);
+  vf w = vsplat(1.0f) + u;
+  vf den = w - vsplat(1.0f);
+  vf l1p = den == vsplat(0.0f) ? u : vlog(w) * u / (den == vsplat(0.0f) ? vsplat(1.0f) : den);
+  vf pos = x > vsplat(0.0f) ? x : vsplat(0.0f);
+  vf res = pos + l1p;
+  return x != x ? x : res;
+}
+
+static inline vf vsigmoid(vf x) { return vsplat(1.0f) / (vsplat(1.0f) + vexp(-x)); }
+
+// Applies f to n floats (n need not be a multiple of 16).
+template <typename F>
+static inline void map_rows(float* y, const float* x, std::int64_t n, F f) {
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(y + i, f(vload(x + i)));
+  if (i < n) {
+    float tx[kLanes] = {}, ty[kLanes];
+    for (std::int64_t j = i; j < n; ++j) tx[j - i] = x[j];
+    vstore(ty, f(vload(tx)));
+    for (std::int64_t j = i; j < n; ++j) y[j] = ty[j - i];
+  }
+}
+
+// C (m x n, ldc) += alpha * A (m x kd) * B (kd x n, ldb), n a multiple of 16.
+// A(i, p) = a[i * ars + p * acs]. With a_lower, A(i, p) = 0 for p > i and is not read.
+// Register-blocked: MR rows x NV vectors of accumulators.
+template <int MR, int NV>
+static inline void gemm_tile(std::int64_t kd, const float* a, std::int64_t ars, std::int64_t acs, const float* b,
+                             std::int64_t ldb, float* c, std::int64_t ldc, float alpha) {
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vsplat(0.0f);
+  for (std::int64_t p = 0; p < kd; ++p) {
+    vf bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = vload(b + p * ldb + v * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      const vf av = vsplat(a[r * ars + p * acs]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += av * bv[v];
+    }
+  }
+  const vf al = vsplat(alpha);
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) {
+      float* cp = c + r * ldc + v * kLanes;
+      vstore(cp, vload(cp) + al * acc[r][v]);
+    }
+}
+
+template <int MR>
+static inline void gemm_rows(std::int64_t n, std::int64_t kd, const float* a, std::int64_t ars, std::int64_t acs,
+                             const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha) {
+  std::int64_t j = 0;
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes) gemm_tile<MR, 4>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) gemm_tile<MR, 2>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
+  for (; j < n; j += kLanes) gemm_tile<MR, 1>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
+}
+
+static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const float* a, std::int64_t ars,
+                        std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
+                        bool a_lower = false) {
+  constexpr int kMR = 4;
+  for (std::int64_t i = 0; i < m; i += kMR) {
+    const std::int64_t mr = m - i < kMR ? m - i : kMR;
+    std::int64_t kdi = a_lower ? (i + mr < kd ? i + mr : kd) : kd;
+    const float* ai = a + i * ars;
+    float* ci = c + i * ldc;
+    switch (mr) {
+      case 4: gemm_rows<4>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
+      case 3: gemm_rows<3>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
+      case 2: gemm_rows<2>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
+      default: gemm_rows<1>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
+    }
+  }
+}

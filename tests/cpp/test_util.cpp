@@ -1,0 +1,232 @@
+#include "test_util.hpp"
+
+#include <cstdlib>
+
+namespace kda::test {
+namespace {
+
+float bf16_round(double x) {
+  float f = static_cast<float>(x);
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace
+
+void HostTensor::set(std::int64_t i, double x) {
+  void* p = bytes.data();
+  switch (view.dtype) {
+    case DType::kF32: static_cast<float*>(p)[i] = static_cast<float>(x); break;
+    case DType::kF64: static_cast<double*>(p)[i] = x; break;
+    case DType::kBF16: {
+      float f = bf16_round(x);
+      std::uint32_t u;
+      std::memcpy(&u, &f, 4);
+      static_cast<std::uint16_t*>(p)[i] = static_cast<std::uint16_t>(u >> 16);
+      break;
+    }
+    case DType::kF16: {
+      _Float16 h = static_cast<_Float16>(static_cast<float>(x));
+      std::memcpy(static_cast<std::uint16_t*>(p) + i, &h, 2);
+      break;
+    }
+    case DType::kI32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(x); break;
+    case DType::kI64: static_cast<std::int64_t*>(p)[i] = static_cast<std::int64_t>(x); break;
+  }
+}
+
+double HostTensor::get(std::int64_t i) const {
+  const void* p = bytes.data();
+  switch (view.dtype) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kF64: return static_cast<const double*>(p)[i];
+    case DType::kBF16: {
+      std::uint32_t u = static_cast<std::uint32_t>(static_cast<const std::uint16_t*>(p)[i]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return f;
+    }
+    case DType::kF16: {
+      _Float16 h;
+      std::memcpy(&h, static_cast<const std::uint16_t*>(p) + i, 2);
+      return static_cast<float>(h);
+    }
+    case DType::kI32: return static_cast<const std::int32_t*>(p)[i];
+    case DType::kI64: return static_cast<double>(static_cast<const std::int64_t*>(p)[i]);
+  }
+  return 0;
+}
+
+Inputs make_inputs(const Case& c) {
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  Inputs in;
+  in.q = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
+  in.k = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
+  in.v = HostTensor(c.dtype, {c.B, c.T, c.HV, c.V});
+  in.g = HostTensor(c.dtype, {c.B, c.T, c.HV, c.K});
+  in.beta = HostTensor(c.dtype, {c.B, c.T, c.HV});
+  // q, k: without the in-kernel l2norm, rows are normalized here (the delta rule needs
+  // ||k|| <= 1 to stay stable, as in FLA's tests).
+  const std::int64_t rows = c.B * c.T * c.H;
+  std::vector<double> row(c.K);
+  for (HostTensor* t : {&in.q, &in.k}) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double ss = 0;
+      for (auto& x : row) {
+        x = normal(rng);
+        ss += x * x;
+      }
+      const double s = c.l2norm ? 1.0 : 1.0 / std::sqrt(ss);
+      for (std::int64_t d = 0; d < c.K; ++d) t->set(r * c.K + d, row[d] * s);
+    }
+  }
+  for (std::int64_t i = 0; i < in.v.numel(); ++i) in.v.set(i, normal(rng));
+  for (std::int64_t i = 0; i < in.g.numel(); ++i) {
+    double x = normal(rng);
+    if (c.extreme_gates) {
+      in.g.set(i, uni(rng) < 0.5 ? -1000.0 : 0.0);
+    } else if (c.gate == Gate::kLogDecay) {
+      in.g.set(i, -std::log1p(std::exp(-(x + 2.0))) * 0.5);  // logsigmoid(x + 2) / 2: long memory
+    } else {
+      in.g.set(i, x);
+    }
+  }
+  for (std::int64_t i = 0; i < in.beta.numel(); ++i) {
+    const double x = normal(rng);
+    in.beta.set(i, c.beta_sigmoid ? x : 1.0 / (1.0 + std::exp(-x)));
+  }
+  if (c.gate != Gate::kLogDecay) {
+    in.has_A_log = true;
+    in.A_log = HostTensor(DType::kF32, {c.HV});
+    for (std::int64_t i = 0; i < c.HV; ++i) in.A_log.set(i, std::log(1.0 + 15.0 * uni(rng)) - 2.0);
+    in.has_dt_bias = true;
+    in.dt_bias = HostTensor(DType::kF32, {c.HV * c.K});
+    for (std::int64_t i = 0; i < c.HV * c.K; ++i) in.dt_bias.set(i, 0.5 * normal(rng));
+  }
+  const std::int64_t n = c.num_states();
+  in.h0 = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {n, c.HV, c.K, c.V})
+                                           : HostTensor(DType::kF32, {n, c.HV, c.V, c.K});
+  for (std::int64_t i = 0; i < in.h0.numel(); ++i) in.h0.set(i, 0.5 * normal(rng));
+  if (!c.cu_seqlens.empty()) {
+    in.cu = HostTensor(DType::kI64, {static_cast<std::int64_t>(c.cu_seqlens.size())});
+    for (std::size_t i = 0; i < c.cu_seqlens.size(); ++i) in.cu.set(static_cast<std::int64_t>(i), static_cast<double>(c.cu_seqlens[i]));
+  }
+  if (!c.segment_ids.empty()) {
+    const bool two_d = static_cast<std::int64_t>(c.segment_ids.size()) == c.B * c.T && c.B > 1;
+    in.ids = two_d ? HostTensor(DType::kI32, {c.B, c.T}) : HostTensor(DType::kI32, {c.T});
+    for (std::size_t i = 0; i < c.segment_ids.size(); ++i) in.ids.set(static_cast<std::int64_t>(i), c.segment_ids[i]);
+  }
+  return in;
+}
+
+ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTensor& ht) {
+  ForwardParams p;
+  p.q = in.q.view;
+  p.k = in.k.view;
+  p.v = in.v.view;
+  p.g = in.g.view;
+  p.beta = in.beta.view;
+  if (in.has_A_log) p.A_log = in.A_log.view;
+  if (in.has_dt_bias) p.dt_bias = in.dt_bias.view;
+  if (!c.cu_seqlens.empty()) p.cu_seqlens = in.cu.view;
+  if (!c.segment_ids.empty()) {
+    p.segment_ids = in.ids.view;
+    p.max_num_segments = c.max_num_segments;
+  }
+  if (c.initial_state) p.initial_state = in.h0.view;
+  p.o = o.view;
+  if (c.final_state) p.final_state = ht.view;
+  // segment_ids states are [B, N, HV, ...]: reshape the flat [B*N, ...] buffers.
+  if (!c.segment_ids.empty()) {
+    auto five_d = [&](TensorView t) {
+      TensorView r = t;
+      r.ndim = 5;
+      for (int i = 4; i >= 2; --i) {
+        r.shape[i] = t.shape[i - 1];
+        r.strides[i] = t.strides[i - 1];
+      }
+      r.shape[0] = c.B;
+      r.shape[1] = c.max_num_segments;
+      r.strides[1] = t.strides[0];
+      r.strides[0] = t.strides[0] * c.max_num_segments;
+      return r;
+    };
+    if (c.initial_state) p.initial_state = five_d(p.initial_state);
+    if (c.final_state) p.final_state = five_d(p.final_state);
+  }
+  p.options.use_qk_l2norm_in_kernel = c.l2norm;
+  p.options.use_gate_in_kernel = c.gate != Gate::kLogDecay;
+  p.options.has_lower_bound = c.gate == Gate::kLowerBound;
+  p.options.lower_bound = -5.0f;
+  p.options.use_beta_sigmoid_in_kernel = c.beta_sigmoid;
+  p.options.allow_neg_eigval = c.neg_eigval;
+  p.options.chunk_size = c.chunk;
+  p.options.state_layout = c.layout;
+  p.options.path = c.path;
+  p.options.num_threads = c.threads;
+  return p;
+}
+
+Outputs run_forward(const Case& c, const Inputs& in, bool oracle) {
+  const DType out_dtype = oracle ? DType::kF64 : c.dtype;
+  const DType state_dtype = oracle ? DType::kF64 : DType::kF32;
+  const std::int64_t n = c.num_states();
+  HostTensor o(out_dtype, {c.B, c.T, c.HV, c.V});
+  o.fill(12345.0);  // every element must be written
+  HostTensor ht = c.layout == StateLayout::kKFirst ? HostTensor(state_dtype, {n, c.HV, c.K, c.V})
+                                                   : HostTensor(state_dtype, {n, c.HV, c.V, c.K});
+  ht.fill(12345.0);
+  ForwardParams p = make_params(c, in, o, ht);
+  Status s = oracle ? reference_forward(p) : chunk_forward(p);
+  EXPECT_TRUE(s.ok()) << s.message() << "\n" << c.describe();
+  Outputs out;
+  out.o = o.to_double();
+  if (c.final_state) out.ht = ht.to_double();
+  return out;
+}
+
+std::string Metric::str() const {
+  std::ostringstream os;
+  os << "rel=" << rel << " max_abs=" << max_abs << " finite=" << finite;
+  return os.str();
+}
+
+Metric compare(const std::vector<double>& out, const std::vector<double>& ref) {
+  Metric m;
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) m.finite = false;
+    const double e = out[i] - ref[i];
+    num += e * e;
+    den += ref[i] * ref[i];
+    m.max_abs = std::max(m.max_abs, std::fabs(e));
+  }
+  const double n = out.empty() ? 1.0 : static_cast<double>(out.size());
+  m.rel = den > 0 ? std::sqrt(num / n) / std::sqrt(den / n) : std::sqrt(num / n);
+  return m;
+}
+
+void expect_matches_oracle(const Case& c) {
+  const Inputs in = make_inputs(c);
+  const Outputs ref = run_forward(c, in, true);
+  const Outputs out = run_forward(c, in, false);
+  const double bound = forward_bound(c.dtype);
+  const Metric mo = compare(out.o, ref.o);
+  if (std::getenv("KDA_TEST_VERBOSE")) std::printf("o %s | %s\n", mo.str().c_str(), c.describe().c_str());
+  EXPECT_TRUE(mo.finite && mo.rel <= bound) << "o: " << mo.str() << " bound=" << bound << "\n" << c.describe();
+  if (c.final_state) {
+    const Metric mh = compare(out.ht, ref.ht);
+    EXPECT_TRUE(mh.finite && mh.rel <= bound) << "final_state: " << mh.str() << " bound=" << bound << "\n"
+                                              << c.describe();
+  }
+}
+
+bool large_tests() { return std::getenv("KDA_LARGE_TESTS") != nullptr; }
+
+}  // namespace kda::test

@@ -1,0 +1,131 @@
+// Test support: random KDA problems, runs of the kernels and of the fp64 oracle, and the
+// SPEC.md section 4 metric (rms relative error, max abs error, NaN/Inf) printed on failure.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kda/kda.hpp"
+
+namespace kda::test {
+
+enum class Gate { kLogDecay, kSoftplus, kLowerBound };
+
+inline const char* gate_name(Gate g) {
+  switch (g) {
+    case Gate::kLogDecay: return "logdecay";
+    case Gate::kSoftplus: return "softplus";
+    case Gate::kLowerBound: return "lowerbound";
+  }
+  return "?";
+}
+
+// One forward problem. Sequences: cu_seqlens (B must be 1) or segment_ids, or fixed.
+struct Case {
+  std::int64_t B = 1, T = 64, H = 2, HV = 2, K = 64, V = 64;
+  DType dtype = DType::kF32;
+  Gate gate = Gate::kLogDecay;
+  bool l2norm = true;
+  bool beta_sigmoid = false;
+  bool neg_eigval = false;
+  bool initial_state = false;
+  bool final_state = true;
+  StateLayout layout = StateLayout::kKFirst;
+  int chunk = 64;
+  Path path = Path::kFused;
+  int threads = 0;
+  std::vector<std::int64_t> cu_seqlens;  // empty: not used
+  std::vector<std::int32_t> segment_ids;  // empty: not used; size T ([T]) or B*T ([B, T])
+  std::int64_t max_num_segments = 0;
+  std::uint32_t seed = 1;
+  // Extreme gates (SPEC.md 2): g = -1000 on half the entries, 0 elsewhere (log-decay mode).
+  bool extreme_gates = false;
+
+  std::int64_t num_states() const {
+    if (!cu_seqlens.empty()) return static_cast<std::int64_t>(cu_seqlens.size()) - 1;
+    if (!segment_ids.empty()) return B * max_num_segments;
+    return B;
+  }
+  std::string describe() const {
+    std::ostringstream os;
+    os << "B=" << B << " T=" << T << " H=" << H << " HV=" << HV << " K=" << K << " V=" << V << " "
+       << dtype_name(dtype) << " gate=" << gate_name(gate) << " l2norm=" << l2norm << " beta_sigmoid=" << beta_sigmoid
+       << " neg_eig=" << neg_eigval << " h0=" << initial_state << " ht=" << final_state
+       << " vfirst=" << (layout == StateLayout::kVFirst) << " C=" << chunk << " path=" << path_name(path);
+    if (!cu_seqlens.empty()) {
+      os << " cu_seqlens=[";
+      for (auto c : cu_seqlens) os << c << ",";
+      os << "]";
+    }
+    if (!segment_ids.empty()) os << " segment_ids(" << segment_ids.size() << ") N=" << max_num_segments;
+    return os.str();
+  }
+};
+
+// Host tensor storage in any dtype (raw bytes) with a contiguous view.
+struct HostTensor {
+  std::vector<unsigned char> bytes;
+  TensorView view;
+  HostTensor() = default;
+  HostTensor(DType dtype, std::initializer_list<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (auto s : shape) n *= s;
+    bytes.assign(static_cast<std::size_t>(n) * dtype_size(dtype), 0);
+    view = TensorView::contiguous(bytes.data(), dtype, shape);
+  }
+  std::int64_t numel() const { return view.numel(); }
+  void set(std::int64_t i, double x);
+  double get(std::int64_t i) const;
+  std::vector<double> to_double() const {
+    std::vector<double> out(static_cast<std::size_t>(numel()));
+    for (std::int64_t i = 0; i < numel(); ++i) out[i] = get(i);
+    return out;
+  }
+  void fill(double x) {
+    for (std::int64_t i = 0; i < numel(); ++i) set(i, x);
+  }
+};
+
+// Inputs of a case, generated deterministically from its seed.
+struct Inputs {
+  HostTensor q, k, v, g, beta, A_log, dt_bias, h0, cu, ids;
+  bool has_A_log = false, has_dt_bias = false;
+};
+
+Inputs make_inputs(const Case& c);
+
+struct Outputs {
+  std::vector<double> o;   // [B, T, HV, V]
+  std::vector<double> ht;  // state shape of the case, in its layout
+};
+
+// Fills the forward params of a case (views into `in` and the output tensors).
+ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTensor& ht);
+
+// Runs chunk_forward (oracle=false) or reference_forward (oracle=true, fp64 outputs).
+Outputs run_forward(const Case& c, const Inputs& in, bool oracle);
+
+struct Metric {
+  double rel = 0, max_abs = 0;
+  bool finite = true;
+  std::string str() const;
+};
+Metric compare(const std::vector<double>& out, const std::vector<double>& ref);
+
+// SPEC.md section 4 bound for o and the final state.
+inline double forward_bound(DType dtype) { return dtype == DType::kF32 ? 1e-5 : 5e-3; }
+
+// Asserts o and final state of the kernel against the oracle within the bound.
+void expect_matches_oracle(const Case& c);
+
+// True when KDA_LARGE_TESTS is set in the environment (the larger matrix).
+bool large_tests();
+
+}  // namespace kda::test
