@@ -125,6 +125,33 @@ Inputs make_inputs(const Case& c) {
   return in;
 }
 
+Inputs slice_sequence(const Case& c, const Inputs& in, std::int64_t b, std::int64_t start, std::int64_t len,
+                      std::int64_t state) {
+  Inputs out;
+  auto cut = [&](const HostTensor& src, std::initializer_list<std::int64_t> shape) {
+    HostTensor dst(src.view.dtype, shape);
+    const std::size_t es = dtype_size(src.view.dtype);
+    const std::size_t row = static_cast<std::size_t>(src.numel() / (c.B * c.T)) * es;
+    std::memcpy(dst.bytes.data(), src.bytes.data() + static_cast<std::size_t>(b * c.T + start) * row,
+                static_cast<std::size_t>(len) * row);
+    return dst;
+  };
+  out.q = cut(in.q, {1, len, c.H, c.K});
+  out.k = cut(in.k, {1, len, c.H, c.K});
+  out.v = cut(in.v, {1, len, c.HV, c.V});
+  out.g = cut(in.g, {1, len, c.HV, c.K});
+  out.beta = cut(in.beta, {1, len, c.HV});
+  out.A_log = in.A_log;
+  out.dt_bias = in.dt_bias;
+  out.has_A_log = in.has_A_log;
+  out.has_dt_bias = in.has_dt_bias;
+  out.h0 = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {1, c.HV, c.K, c.V})
+                                            : HostTensor(DType::kF32, {1, c.HV, c.V, c.K});
+  std::memcpy(out.h0.bytes.data(), in.h0.bytes.data() + static_cast<std::size_t>(state) * out.h0.bytes.size(),
+              out.h0.bytes.size());
+  return out;
+}
+
 ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTensor& ht) {
   ForwardParams p;
   p.q = in.q.view;

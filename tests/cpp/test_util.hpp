@@ -74,6 +74,20 @@ struct HostTensor {
   std::vector<unsigned char> bytes;
   TensorView view;
   HostTensor() = default;
+  HostTensor(const HostTensor& o) : bytes(o.bytes), view(o.view) { view.data = bytes.data(); }
+  HostTensor(HostTensor&& o) noexcept : bytes(std::move(o.bytes)), view(o.view) { view.data = bytes.data(); }
+  HostTensor& operator=(const HostTensor& o) {
+    bytes = o.bytes;
+    view = o.view;
+    view.data = bytes.data();
+    return *this;
+  }
+  HostTensor& operator=(HostTensor&& o) noexcept {
+    bytes = std::move(o.bytes);
+    view = o.view;
+    view.data = bytes.data();
+    return *this;
+  }
   HostTensor(DType dtype, std::initializer_list<std::int64_t> shape) {
     std::int64_t n = 1;
     for (auto s : shape) n *= s;
@@ -105,6 +119,11 @@ struct Outputs {
   std::vector<double> o;   // [B, T, HV, V]
   std::vector<double> ht;  // state shape of the case, in its layout
 };
+
+// Inputs of one sequence (B = 1, T = len, fixed length) cut from tokens [start, start + len)
+// of batch row b of `in`, with initial state slot `state`.
+Inputs slice_sequence(const Case& c, const Inputs& in, std::int64_t b, std::int64_t start, std::int64_t len,
+                      std::int64_t state);
 
 // Fills the forward params of a case (views into `in` and the output tensors).
 ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTensor& ht);

@@ -1,0 +1,167 @@
+// Thin nanobind bindings of the libkda forward (include/kda/ops.hpp) for the numpy package
+// python/libkda. Each tensor arrives as (array, dtype code): the code names the element type
+// because numpy has no DLPack code for bfloat16 (bf16 arrays come in as a uint16 view).
+// Arrays are wrapped, never copied: nanobind gives element strides, which is what
+// kda::TensorView takes. All shape and semantic checks are the library's (its messages name
+// the argument); a failed kda::Status becomes a Python ValueError with that message verbatim.
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "kda/kda.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+using InArray = nb::ndarray<nb::ro, nb::device::cpu>;   // inputs: read-only views accepted
+using OutArray = nb::ndarray<nb::device::cpu>;           // outputs: must be writable
+using In = std::optional<std::pair<InArray, std::string>>;
+using Out = std::optional<std::pair<OutArray, std::string>>;
+
+kda::DType parse_dtype(const std::string& code, const char* name) {
+  if (code == "f32") return kda::DType::kF32;
+  if (code == "bf16") return kda::DType::kBF16;
+  if (code == "f16") return kda::DType::kF16;
+  if (code == "f64") return kda::DType::kF64;
+  if (code == "i32") return kda::DType::kI32;
+  if (code == "i64") return kda::DType::kI64;
+  throw nb::value_error(("kda: argument '" + std::string(name) +
+                         "': expected dtype code f32, bf16, f16, f64, i32 or i64, got '" + code + "'")
+                            .c_str());
+}
+
+template <typename Array>
+kda::TensorView make_view(const std::optional<std::pair<Array, std::string>>& arg, const char* name) {
+  kda::TensorView t;  // ndim = -1: not given
+  if (!arg) return t;
+  const Array& a = arg->first;
+  t.dtype = parse_dtype(arg->second, name);
+  if (a.itemsize() != kda::dtype_size(t.dtype)) {
+    throw nb::value_error(("kda: argument '" + std::string(name) + "': dtype code '" + arg->second +
+                           "' needs " + std::to_string(kda::dtype_size(t.dtype)) +
+                           "-byte elements, got an array of " + std::to_string(a.itemsize()) + "-byte elements")
+                              .c_str());
+  }
+  if (a.ndim() > static_cast<std::size_t>(kda::kMaxDims)) {
+    throw nb::value_error(("kda: argument '" + std::string(name) + "': at most " +
+                           std::to_string(kda::kMaxDims) + " dims, got " + std::to_string(a.ndim()))
+                              .c_str());
+  }
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = static_cast<std::int64_t>(a.shape(i));
+    t.strides[i] = a.stride(i);
+  }
+  return t;
+}
+
+kda::Path parse_path(const std::string& path) {
+  if (path == "fused") return kda::Path::kFused;
+  if (path == "staged") return kda::Path::kStaged;
+  throw nb::value_error(("kda: option 'path': expected 'fused' or 'staged', got '" + path + "'").c_str());
+}
+
+using Entry = kda::Status (*)(const kda::ForwardParams&);
+
+void run_forward(Entry entry, const In& q, const In& k, const In& v, const In& g, const In& beta,
+                 const In& A_log, const In& dt_bias, const In& cu_seqlens, const In& segment_ids,
+                 std::int64_t max_num_segments, const In& initial_state, const Out& o, const Out& final_state,
+                 std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
+                 std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+                 int chunk_size, bool state_v_first, const std::string& path, int num_threads) {
+  kda::ForwardParams p;
+  p.q = make_view(q, "q");
+  p.k = make_view(k, "k");
+  p.v = make_view(v, "v");
+  p.g = make_view(g, "g");
+  p.beta = make_view(beta, "beta");
+  p.A_log = make_view(A_log, "A_log");
+  p.dt_bias = make_view(dt_bias, "dt_bias");
+  p.cu_seqlens = make_view(cu_seqlens, "cu_seqlens");
+  p.segment_ids = make_view(segment_ids, "segment_ids");
+  p.max_num_segments = max_num_segments;
+  p.initial_state = make_view(initial_state, "initial_state");
+  p.o = make_view(o, "o");
+  p.final_state = make_view(final_state, "final_state");
+
+  kda::Options& opt = p.options;
+  opt.scale = scale ? *scale : NAN;
+  opt.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
+  opt.use_gate_in_kernel = use_gate_in_kernel;
+  opt.has_lower_bound = lower_bound.has_value();
+  opt.lower_bound = lower_bound ? *lower_bound : 0.0f;
+  opt.use_beta_sigmoid_in_kernel = use_beta_sigmoid_in_kernel;
+  opt.allow_neg_eigval = allow_neg_eigval;
+  opt.chunk_size = chunk_size;
+  opt.state_layout = state_v_first ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;
+  opt.path = parse_path(path);
+  opt.num_threads = num_threads;
+
+  kda::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = entry(p);
+  }
+  if (!status.ok()) throw nb::value_error(status.message().c_str());
+}
+
+template <Entry entry>
+void forward_entry(const In& q, const In& k, const In& v, const In& g, const In& beta, const In& A_log,
+                   const In& dt_bias, const In& cu_seqlens, const In& segment_ids, std::int64_t max_num_segments,
+                   const In& initial_state, const Out& o, const Out& final_state, std::optional<float> scale,
+                   bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, std::optional<float> lower_bound,
+                   bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, int chunk_size, bool state_v_first,
+                   const std::string& path, int num_threads) {
+  run_forward(entry, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, max_num_segments, initial_state,
+              o, final_state, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first, path, num_threads);
+}
+
+template <typename Fn>
+void def_forward(nb::module_& m, const char* name, Fn fn, const char* doc) {
+  m.def(name, fn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
+        nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),
+        nb::arg("cu_seqlens").none() = nb::none(), nb::arg("segment_ids").none() = nb::none(),
+        nb::arg("max_num_segments") = 0, nb::arg("initial_state").none() = nb::none(), nb::arg("o"),
+        nb::arg("final_state").none() = nb::none(), nb::arg("scale").none() = nb::none(),
+        nb::arg("use_qk_l2norm_in_kernel") = false, nb::arg("use_gate_in_kernel") = false,
+        nb::arg("lower_bound").none() = nb::none(), nb::arg("use_beta_sigmoid_in_kernel") = false,
+        nb::arg("allow_neg_eigval") = false, nb::arg("chunk_size") = 64, nb::arg("state_v_first") = false,
+        nb::arg("path") = "fused", nb::arg("num_threads") = 0, doc);
+}
+
+}  // namespace
+
+NB_MODULE(_libkda, m) {
+  m.doc() = "libkda: Kimi Delta Attention CPU kernels (low-level bindings; use the libkda package)";
+
+  def_forward(m, "forward", &forward_entry<&kda::chunk_forward>,
+              "The chunked forward (kda::chunk_forward). Every tensor is an (array, dtype code) pair; "
+              "o and final_state are written in place. Raises ValueError with the library's message.");
+  def_forward(m, "reference_forward", &forward_entry<&kda::reference_forward>,
+              "The fp64 token-by-token oracle (kda::reference_forward); same arguments as forward.");
+
+  m.def("version", [] { return std::string(kda::version()); }, "Library version, MAJOR.MINOR.PATCH.");
+  m.def("cpu_target", [] { return std::string(kda::cpu_target()); },
+        "The CPU kernel target chosen at run time.");
+  m.def(
+      "memory_stats",
+      [] {
+        const kda::MemoryStats s = kda::memory_stats();
+        return std::make_tuple(s.current_bytes, s.peak_bytes);
+      },
+      "(current_bytes, peak_bytes) of the library's accounting allocator.");
+  m.def("reset_peak_memory", &kda::reset_peak_memory, "Sets the peak to the current usage.");
+}

@@ -1,0 +1,62 @@
+// Small API contracts: the accounting allocator, tensor views, version and target reporting.
+#include <cstdlib>
+#include <cstring>
+
+#include "test_util.hpp"
+
+namespace kda::test {
+namespace {
+
+TEST(Memory, PeakTracksLiveBytesAndResets) {
+  reset_peak_memory();
+  const MemoryStats before = memory_stats();
+  void* a = allocate(1000);
+  void* b = allocate(3000);
+  ASSERT_NE(a, nullptr);
+  ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b) % 64, 0u);
+  EXPECT_EQ(memory_stats().current_bytes - before.current_bytes, 4000);
+  deallocate(b);
+  EXPECT_EQ(memory_stats().peak_bytes - before.current_bytes, 4000);
+  reset_peak_memory();
+  EXPECT_EQ(memory_stats().peak_bytes - before.current_bytes, 1000);
+  deallocate(a);
+  EXPECT_EQ(memory_stats().current_bytes, before.current_bytes);
+}
+
+TEST(Memory, ForwardReleasesEverythingItAllocates) {
+  Case c;
+  c.T = 100;
+  for (Path path : {Path::kFused, Path::kStaged}) {
+    c.path = path;
+    const Inputs in = make_inputs(c);
+    const std::int64_t before = memory_stats().current_bytes;
+    reset_peak_memory();
+    run_forward(c, in, false);
+    EXPECT_EQ(memory_stats().current_bytes, before) << path_name(path);
+    EXPECT_GT(memory_stats().peak_bytes, before) << "the path allocated nothing through the accounting allocator";
+  }
+}
+
+TEST(TensorView, ContiguousAndPermutedStrides) {
+  float data[24];
+  TensorView t = TensorView::contiguous(data, DType::kF32, {2, 3, 4});
+  EXPECT_EQ(t.strides[0], 12);
+  EXPECT_EQ(t.strides[2], 1);
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.shape_str(), "[2, 3, 4]");
+  TensorView p = t.permuted({2, 0, 1});
+  EXPECT_EQ(p.shape_str(), "[4, 2, 3]");
+  EXPECT_EQ(p.strides[0], 1);
+  EXPECT_EQ(p.strides[1], 12);
+}
+
+TEST(Library, ReportsVersionAndTarget) {
+  EXPECT_STREQ(version(), "0.1.0");
+  const std::string target = cpu_target();
+  EXPECT_TRUE(target == "avx512" || target == "generic") << target;
+  const char* forced = std::getenv("KDA_CPU_TARGET");
+  if (forced != nullptr && std::strcmp(forced, "generic") == 0) EXPECT_EQ(target, "generic");
+}
+
+}  // namespace
+}  // namespace kda::test
