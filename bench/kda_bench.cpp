@@ -1,0 +1,316 @@
+// kda-bench: median latency and measured peak memory of the libkda paths on the SPEC.md
+// section 5 workloads, each next to its baseline in the same run.
+//
+//   kda-bench [--suite forward|forward-packed|all] [--baseline] [--heads H] [--tokens T]
+//             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]
+//             [--threads N] [--iters N] [--warmup N] [--json FILE]
+//
+// Peak memory comes from the library's accounting allocator: the benchmark allocates its inputs
+// and outputs through it too, so "peak" is everything a call needs, and "extra" is what the
+// path adds on top of inputs + outputs + states.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kda/kda.hpp"
+
+namespace {
+
+struct Config {
+  std::string suite = "all";
+  bool baseline = false;
+  std::int64_t heads = 32, tokens = 8192, segments = 25, K = 128, V = 128;
+  std::string dtype = "bf16";
+  int chunk = 64;
+  int threads = 0;
+  int iters = 5, warmup = 1;
+  std::string json;
+};
+
+[[noreturn]] void usage(const char* msg) {
+  std::fprintf(stderr,
+               "kda-bench: %s\n"
+               "usage: kda-bench [--suite forward|forward-packed|all] [--baseline] [--heads H] [--tokens T]\n"
+               "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]\n"
+               "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
+               msg);
+  std::exit(2);
+}
+
+Config parse(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) usage(("missing value for " + a).c_str());
+      return argv[++i];
+    };
+    auto num = [&]() -> std::int64_t {
+      const std::string s = next();
+      char* end = nullptr;
+      const long long v = std::strtoll(s.c_str(), &end, 10);
+      if (end == s.c_str() || *end != '\0' || v < 0) usage(("bad number for " + a + ": " + s).c_str());
+      return v;
+    };
+    if (a == "--suite") c.suite = next();
+    else if (a == "--baseline") c.baseline = true;
+    else if (a == "--heads") c.heads = num();
+    else if (a == "--tokens") c.tokens = num();
+    else if (a == "--segments") c.segments = num();
+    else if (a == "--K") c.K = num();
+    else if (a == "--V") c.V = num();
+    else if (a == "--dtype") c.dtype = next();
+    else if (a == "--chunk") c.chunk = static_cast<int>(num());
+    else if (a == "--threads") c.threads = static_cast<int>(num());
+    else if (a == "--iters") c.iters = static_cast<int>(num());
+    else if (a == "--warmup") c.warmup = static_cast<int>(num());
+    else if (a == "--json") c.json = next();
+    else if (a == "--help" || a == "-h") usage("help");
+    else usage(("unknown flag " + a).c_str());
+  }
+  if (c.suite != "all" && c.suite != "forward" && c.suite != "forward-packed") {
+    usage(("unknown suite " + c.suite + " (this build has forward, forward-packed, all)").c_str());
+  }
+  if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32") usage(("unknown dtype " + c.dtype).c_str());
+  if (c.iters < 1) usage("--iters must be >= 1");
+  if (c.tokens < 1 || c.heads < 1 || c.K < 1 || c.V < 1) usage("sizes must be >= 1");
+  return c;
+}
+
+kda::DType dtype_of(const std::string& s) {
+  if (s == "fp32") return kda::DType::kF32;
+  if (s == "fp16") return kda::DType::kF16;
+  return kda::DType::kBF16;
+}
+
+// A tensor owned through the accounting allocator.
+struct Tensor {
+  kda::Buffer buf;
+  kda::TensorView view;
+  Tensor(kda::DType dtype, std::initializer_list<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (auto s : shape) n *= s;
+    buf.reset(kda::allocate(static_cast<std::size_t>(n) * kda::dtype_size(dtype)));
+    if (!buf) {
+      std::fprintf(stderr, "kda-bench: out of memory\n");
+      std::exit(1);
+    }
+    view = kda::TensorView::contiguous(buf.get(), dtype, shape);
+  }
+};
+
+// Fast deterministic fill: xorshift, uniform in [lo, hi), rounded to the tensor dtype.
+void fill(Tensor& t, float lo, float hi, std::uint64_t seed) {
+  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  const std::int64_t n = t.view.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    const float u = static_cast<float>((s >> 40) & 0xFFFFFF) / 16777216.0f;
+    const float x = lo + (hi - lo) * u;
+    switch (t.view.dtype) {
+      case kda::DType::kF32: static_cast<float*>(t.buf.get())[i] = x; break;
+      case kda::DType::kBF16: {
+        std::uint32_t bits;
+        std::memcpy(&bits, &x, 4);
+        static_cast<std::uint16_t*>(t.buf.get())[i] = static_cast<std::uint16_t>(bits >> 16);
+        break;
+      }
+      case kda::DType::kF16: {
+        _Float16 h = static_cast<_Float16>(x);
+        std::memcpy(static_cast<std::uint16_t*>(t.buf.get()) + i, &h, 2);
+        break;
+      }
+      default: break;
+    }
+  }
+}
+
+struct Record {
+  std::string suite, path, shape, dtype;
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  std::int64_t peak_bytes = 0, extra_bytes = 0;
+  double gflops = 0;
+  double speedup = 0;  // over the baseline in the same run, 0 if none
+};
+
+// The representative workload of SPEC.md section 5 (or the flags' variation of it).
+struct Workload {
+  std::int64_t B = 1, T, H, HV, K, V;
+  std::vector<std::int64_t> cu;  // empty: fixed length
+  kda::DType dtype;
+  std::string shape;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const std::string& suite) {
+  const std::int64_t N = w.cu.empty() ? w.B : static_cast<std::int64_t>(w.cu.size()) - 1;
+  Tensor q(w.dtype, {w.B, w.T, w.H, w.K}), k(w.dtype, {w.B, w.T, w.H, w.K});
+  Tensor v(w.dtype, {w.B, w.T, w.HV, w.V}), g(w.dtype, {w.B, w.T, w.HV, w.K});
+  Tensor beta(w.dtype, {w.B, w.T, w.HV});
+  Tensor A_log(kda::DType::kF32, {w.HV}), dt_bias(kda::DType::kF32, {w.HV * w.K});
+  Tensor o(w.dtype, {w.B, w.T, w.HV, w.V});
+  Tensor h0(kda::DType::kF32, {N, w.HV, w.K, w.V}), ht(kda::DType::kF32, {N, w.HV, w.K, w.V});
+  Tensor cu(kda::DType::kI64, {w.cu.empty() ? 1 : static_cast<std::int64_t>(w.cu.size())});
+  fill(q, -1, 1, 1);
+  fill(k, -1, 1, 2);
+  fill(v, -1, 1, 3);
+  fill(g, -2, 2, 4);
+  fill(beta, 0.05f, 0.95f, 5);
+  fill(A_log, 0, 2.7f, 6);
+  fill(dt_bias, -0.5f, 0.5f, 7);
+  fill(h0, -0.1f, 0.1f, 8);
+  for (std::size_t i = 0; i < w.cu.size(); ++i) static_cast<std::int64_t*>(cu.buf.get())[i] = w.cu[i];
+
+  kda::ForwardParams p;
+  p.q = q.view, p.k = k.view, p.v = v.view, p.g = g.view, p.beta = beta.view;
+  p.A_log = A_log.view, p.dt_bias = dt_bias.view;
+  p.initial_state = h0.view, p.o = o.view, p.final_state = ht.view;
+  if (!w.cu.empty()) p.cu_seqlens = cu.view;
+  p.options.use_qk_l2norm_in_kernel = true;
+  p.options.use_gate_in_kernel = true;
+  p.options.has_lower_bound = true;
+  p.options.lower_bound = -5.0f;
+  p.options.chunk_size = cfg.chunk;
+  p.options.path = path;
+  p.options.num_threads = cfg.threads;
+
+  const std::int64_t base_bytes = kda::memory_stats().current_bytes;
+  std::vector<double> times;
+  std::int64_t peak = 0;
+  for (int it = 0; it < cfg.warmup + cfg.iters; ++it) {
+    kda::reset_peak_memory();
+    const auto t0 = std::chrono::steady_clock::now();
+    const kda::Status s = kda::chunk_forward(p);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) {
+      std::fprintf(stderr, "kda-bench: %s\n", s.message().c_str());
+      std::exit(1);
+    }
+    peak = std::max(peak, kda::memory_stats().peak_bytes);
+    if (it >= cfg.warmup) times.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  Record r;
+  r.suite = suite;
+  r.path = kda::path_name(path);
+  r.shape = w.shape;
+  r.dtype = cfg.dtype;
+  r.median_ms = median(times);
+  r.min_ms = *std::min_element(times.begin(), times.end());
+  r.max_ms = *std::max_element(times.begin(), times.end());
+  r.peak_bytes = peak;
+  r.extra_bytes = peak - base_bytes;
+  // FLOP model of the chunked forward per token and value head: 2C(3K + 2V) + 6KV.
+  const double C = cfg.chunk;
+  const double flops = static_cast<double>(w.B * w.T * w.HV) * (2 * C * (3.0 * w.K + 2.0 * w.V) + 6.0 * w.K * w.V);
+  r.gflops = flops / (r.median_ms * 1e-3) / 1e9;
+  return r;
+}
+
+std::vector<std::int64_t> balanced_cu_seqlens(std::int64_t T, std::int64_t N) {
+  // SPEC.md section 5: L, r = divmod(T, N); the first r segments get L + 1 tokens.
+  std::vector<std::int64_t> cu{0};
+  const std::int64_t L = T / N, r = T % N;
+  for (std::int64_t i = 0; i < N; ++i) cu.push_back(cu.back() + L + (i < r ? 1 : 0));
+  return cu;
+}
+
+std::string mb(std::int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+void write_json(const Config& cfg, const std::vector<Record>& recs) {
+  std::ofstream f(cfg.json);
+  if (!f) {
+    std::fprintf(stderr, "kda-bench: cannot write %s\n", cfg.json.c_str());
+    std::exit(1);
+  }
+  f << "[\n";
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    const Record& r = recs[i];
+    f << "  {\"suite\": \"" << r.suite << "\", \"path\": \"" << r.path << "\", \"shape\": \"" << r.shape
+      << "\", \"dtype\": \"" << r.dtype << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
+      << ", \"max_ms\": " << r.max_ms << ", \"peak_bytes\": " << r.peak_bytes << ", \"extra_bytes\": " << r.extra_bytes
+      << ", \"gflops\": " << r.gflops << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
+      << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters << "}"
+      << (i + 1 < recs.size() ? "," : "") << "\n";
+  }
+  f << "]\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Config cfg = parse(argc, argv);
+  std::vector<std::string> suites;
+  if (cfg.suite == "all") suites = {"forward", "forward-packed"};
+  else suites = {cfg.suite};
+
+  std::printf("kda-bench %s, cpu target %s, threads %s, %d iterations after %d warm-up\n", kda::version(),
+              kda::cpu_target(), cfg.threads ? std::to_string(cfg.threads).c_str() : "all", cfg.iters, cfg.warmup);
+  std::vector<Record> recs;
+  for (const std::string& suite : suites) {
+    Workload w;
+    w.T = cfg.tokens, w.H = cfg.heads, w.HV = cfg.heads, w.K = cfg.K, w.V = cfg.V;
+    w.dtype = dtype_of(cfg.dtype);
+    char shape[160];
+    if (suite == "forward-packed") {
+      w.cu = balanced_cu_seqlens(cfg.tokens, cfg.segments);
+      std::snprintf(shape, sizeof shape, "B=1 T=%lld N=%lld H=%lld K=%lld V=%lld", (long long)w.T,
+                    (long long)cfg.segments, (long long)w.H, (long long)w.K, (long long)w.V);
+    } else {
+      std::snprintf(shape, sizeof shape, "B=1 T=%lld H=%lld K=%lld V=%lld", (long long)w.T, (long long)w.H,
+                    (long long)w.K, (long long)w.V);
+    }
+    w.shape = shape;
+    std::vector<kda::Path> paths{kda::Path::kFused};
+    if (cfg.baseline) paths.push_back(kda::Path::kStaged);
+    std::vector<Record> suite_recs;
+    for (kda::Path path : paths) {
+      std::fprintf(stderr, "[kda-bench] %s %s %s ...\n", suite.c_str(), kda::path_name(path), shape);
+      suite_recs.push_back(run_forward(cfg, w, path, suite));
+    }
+    if (cfg.baseline) {
+      const double base = suite_recs.back().median_ms;
+      for (auto& r : suite_recs) r.speedup = base / r.median_ms;
+    }
+    recs.insert(recs.end(), suite_recs.begin(), suite_recs.end());
+  }
+
+  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s | peak MB | extra MB | speed-up vs staged |\n");
+  std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const Record& r : recs) {
+    char sp[32] = "-";
+    if (r.speedup > 0) std::snprintf(sp, sizeof sp, "%.2fx", r.speedup);
+    std::printf("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s |\n", r.suite.c_str(), r.path.c_str(),
+                r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, r.gflops, mb(r.peak_bytes).c_str(),
+                mb(r.extra_bytes).c_str(), sp);
+  }
+  if (cfg.baseline) {
+    for (std::size_t i = 0; i + 1 < recs.size(); i += 2) {
+      const Record& f = recs[i];
+      const Record& s = recs[i + 1];
+      std::printf("%s: fused %.2fx faster than staged, peak memory %.0f%% lower\n", f.suite.c_str(),
+                  s.median_ms / f.median_ms, 100.0 * (1.0 - static_cast<double>(f.peak_bytes) / s.peak_bytes));
+    }
+  }
+  if (!cfg.json.empty()) write_json(cfg, recs);
+  return 0;
+}
