@@ -11,7 +11,7 @@ namespace kda {
 
 // Library version, "MAJOR.MINOR.PATCH".
 const char* version();
-// The CPU kernel target chosen at run time ("avx512", "avx2" or "generic").
+// The CPU kernel target chosen at run time: "avx512" or "generic".
 // The environment variable KDA_CPU_TARGET forces a lower one (for tests).
 const char* cpu_target();
 

@@ -1,4 +1,5 @@
-// The accounting allocator. Every buffer the library allocates goes through it, so peak memory
+// The accounting allocator. Every tensor-sized buffer the library allocates (scratch,
+// intermediates) goes through it, so peak memory
 // is measured rather than estimated (SPEC.md section 5). Callers (benchmarks, bindings) may use
 // it for their own tensors to get one number for a whole call.
 #pragma once

@@ -71,6 +71,7 @@ Status check_shape(const char* name, const TensorView& t, std::initializer_list<
 
 // Outputs must not alias themselves: no zero stride on a dimension of size > 1.
 Status check_writable(const char* name, const TensorView& t) {
+  if (t.numel() == 0) return {};  // nothing to write (numpy gives empty arrays zero strides)
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] > 1 && t.strides[i] == 0) {
       return fail("argument '", name, "': output has a zero (broadcast) stride on dim ", i,
@@ -80,19 +81,20 @@ Status check_writable(const char* name, const TensorView& t) {
   return {};
 }
 
+// lead: the name of the first dim of a 4-D state ("B" fixed length, "N" cu_seqlens).
 Status check_state(const char* name, const TensorView& t, const Problem& p, std::int64_t per_row,
-                   bool segment_ids, bool kfirst, StateAddressing* addr) {
+                   bool segment_ids, const char* lead, bool kfirst, StateAddressing* addr) {
   const std::int64_t a = kfirst ? p.K : p.V;
   const std::int64_t b = kfirst ? p.V : p.K;
-  const char* desc = kfirst ? (segment_ids ? "[B, max_num_segments, HV, K, V]" : "[N, HV, K, V]")
-                            : (segment_ids ? "[B, max_num_segments, HV, V, K]" : "[N, HV, V, K]");
+  std::string desc = segment_ids ? "[B, max_num_segments, HV, " : std::string("[") + lead + ", HV, ";
+  desc += kfirst ? "K, V]" : "V, K]";
   if (segment_ids) {
-    KDA_RETURN_IF_ERROR(check_shape(name, t, {p.B, per_row, p.HV, a, b}, desc));
+    KDA_RETURN_IF_ERROR(check_shape(name, t, {p.B, per_row, p.HV, a, b}, desc.c_str()));
     addr->per_row = per_row;
     addr->stride_row = t.strides[0];
     addr->stride_slot = t.strides[1];
   } else {
-    KDA_RETURN_IF_ERROR(check_shape(name, t, {p.num_states, p.HV, a, b}, desc));
+    KDA_RETURN_IF_ERROR(check_shape(name, t, {p.num_states, p.HV, a, b}, desc.c_str()));
     addr->per_row = p.num_states > 0 ? p.num_states : 1;
     addr->stride_row = 0;
     addr->stride_slot = t.strides[0];
@@ -338,12 +340,14 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem) {
 
   const bool kfirst = opt.state_layout == StateLayout::kKFirst;
   const std::int64_t per_row = has_ids ? prm.max_num_segments : p.num_states;
+  const char* lead = has_cu ? "N" : "B";
   if (prm.initial_state.defined()) {
-    KDA_RETURN_IF_ERROR(check_state("initial_state", prm.initial_state, p, per_row, has_ids, kfirst, &p.init_addr));
-    KDA_RETURN_IF_ERROR(check_float("initial_state", prm.initial_state, oracle));
+    KDA_RETURN_IF_ERROR(check_state("initial_state", prm.initial_state, p, per_row, has_ids, lead, kfirst, &p.init_addr));
+    // Any float dtype, fp64 included: states are read into fp32 (fp64 in the oracle).
+    KDA_RETURN_IF_ERROR(check_float("initial_state", prm.initial_state, /*oracle=*/true));
   }
   if (prm.final_state.defined()) {
-    KDA_RETURN_IF_ERROR(check_state("final_state", prm.final_state, p, per_row, has_ids, kfirst, &p.final_addr));
+    KDA_RETURN_IF_ERROR(check_state("final_state", prm.final_state, p, per_row, has_ids, lead, kfirst, &p.final_addr));
     if (prm.final_state.dtype != DType::kF32 && !(oracle && prm.final_state.dtype == DType::kF64)) {
       return fail("argument 'final_state': expected dtype float32", oracle ? " (or float64 for the oracle)" : "",
                   ", got ", dtype_name(prm.final_state.dtype));

@@ -59,7 +59,7 @@ std::vector<ErrorCase> error_cases() {
          in.h0 = HostTensor(DType::kBF16, {1, 4, 16, 24}); p.final_state = in.h0.view; },
        {"'final_state'", "float32", "bfloat16"}},
       {"vfirst_state_shape", [](ForwardParams& p, Inputs&) { p.options.state_layout = StateLayout::kVFirst; },
-       {"'final_state'", "[N, HV, V, K]", "[1, 4, 24, 16]"}},
+       {"'final_state'", "[B, HV, V, K]", "[1, 4, 24, 16]"}},
       {"both_sequence_descriptions", [](ForwardParams& p, Inputs& in) {
          in.ids = HostTensor(DType::kI32, {20}); p.segment_ids = in.ids.view; p.max_num_segments = 1; },
        {"cu_seqlens", "segment_ids", "both"}, true},
@@ -120,8 +120,8 @@ TEST_P(Errors, NamesArgumentAndWritesNothing) {
     }
     for (double x : o.to_double()) ASSERT_EQ(x, 7.0) << "o was written on error: " << s.message();
     for (double x : ht.to_double()) ASSERT_EQ(x, 7.0) << "final_state was written on error";
-    const Status r = reference_forward(bad);
-    if (!ec.oracle_accepts) EXPECT_FALSE(r.ok()) << "the oracle accepted " << ec.name;
+    // (Cases the oracle accepts are not run through it: their data does not match the params.)
+    if (!ec.oracle_accepts) EXPECT_FALSE(reference_forward(bad).ok()) << "the oracle accepted " << ec.name;
   }
 }
 

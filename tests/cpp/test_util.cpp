@@ -132,8 +132,10 @@ Inputs slice_sequence(const Case& c, const Inputs& in, std::int64_t b, std::int6
     HostTensor dst(src.view.dtype, shape);
     const std::size_t es = dtype_size(src.view.dtype);
     const std::size_t row = static_cast<std::size_t>(src.numel() / (c.B * c.T)) * es;
-    std::memcpy(dst.bytes.data(), src.bytes.data() + static_cast<std::size_t>(b * c.T + start) * row,
-                static_cast<std::size_t>(len) * row);
+    if (len > 0) {
+      std::memcpy(dst.bytes.data(), src.bytes.data() + static_cast<std::size_t>(b * c.T + start) * row,
+                  static_cast<std::size_t>(len) * row);
+    }
     return dst;
   };
   out.q = cut(in.q, {1, len, c.H, c.K});
