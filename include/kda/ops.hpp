@@ -30,8 +30,39 @@ struct ForwardParams {
   TensorView initial_state;  // optional
   TensorView o;              // required
   TensorView final_state;    // optional output
+  // Optional output: the state entering every chunk, fp32 [NC, HV, K, V] (V-first: [NC, HV, V, K]),
+  // NC = forward_chunk_count(params). Chunks are numbered segment by segment in plan order
+  // (fixed: batch rows; cu_seqlens: segments; segment_ids: row-major over [B, max_num_segments])
+  // and, inside a segment, from its first token (the chunk grid restarts at every segment).
+  // This is the saved-state residual of the backward and the prefix-caching output.
+  TensorView chunk_states;
   Options options;
 };
+
+// Number of chunks NC of the chunk_states tensor for these params (validates them first).
+Status forward_chunk_count(const ForwardParams& params, std::int64_t* num_chunks);
+
+// Gradients of the forward (SPEC.md section 2, chunk backward). `forward` holds the inputs and
+// options of the forward call (its o / final_state / chunk_states outputs are not written).
+// Residual policy: with `forward.chunk_states` given (the forward's saved states) they are
+// reused; without, the states are rematerialized inside the backward.
+//   d_o           [B, T, HV, V]   cotangent of o (any float dtype)
+//   d_final_state state shape     optional cotangent of the final state
+// Outputs (each optional; shapes of the matching inputs, dtype of the matching input unless noted):
+//   dq, dk [B, T, H, K] (summed over value-head groups), dv, dg (w.r.t. the g argument: the
+//   log decay, or the raw gate with the gate in kernel), dbeta (w.r.t. the beta argument:
+//   logits with the sigmoid in kernel), dh0 (fp32, initial-state shape; equals d_final_state for
+//   empty segments), dA_log [HV] and ddt_bias (dt_bias's shape) in fp32.
+struct BackwardParams {
+  ForwardParams forward;
+  TensorView d_o, d_final_state;
+  TensorView dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
+};
+
+Status chunk_backward(const BackwardParams& params);
+
+// The exact adjoint of the SPEC.md section 1 recurrence in fp64 (the backward oracle).
+Status reference_backward(const BackwardParams& params);
 
 // The chunked forward on the CPU, by options.path (fused or staged).
 Status chunk_forward(const ForwardParams& params);

@@ -53,14 +53,22 @@ struct Problem {
   bool l2norm = false;
   int chunk = 64;
   int threads = 1;
-  StateAddressing init_addr, final_addr;
+  StateAddressing init_addr, final_addr, chunk_addr, dh0_addr;
   std::vector<Segment> segments;
+  // First chunk of each segment in the chunk_states numbering; num_chunks in all.
+  std::vector<std::int64_t> chunk_offset;
+  std::int64_t num_chunks = 0;
   std::vector<PaddingRun> padding;
 };
 
 // Validates every argument of a forward call and builds the plan. `oracle` relaxes the dtype
 // rules (fp64 inputs/outputs) and ignores the execution options.
-Status plan_forward(const ForwardParams& params, bool oracle, Problem* problem);
+// `backward`: the forward part of a backward call (o and final_state are not validated and
+// chunk_states is an input).
+Status plan_forward(const ForwardParams& params, bool oracle, Problem* problem, bool backward = false);
+
+// Validates a backward call (its forward part included) and builds the plan.
+Status plan_backward(const BackwardParams& params, bool oracle, Problem* problem);
 
 // Threads to use for `requested` (0 = all cores).
 int resolve_threads(int requested);

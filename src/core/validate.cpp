@@ -213,7 +213,7 @@ int resolve_threads(int requested) {
 #endif
 }
 
-Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem) {
+Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, bool backward) {
   Problem& p = *problem;
   p = Problem{};
   const Options& opt = prm.options;
@@ -239,23 +239,26 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem) {
   KDA_RETURN_IF_ERROR(check_shape("v", prm.v, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
   KDA_RETURN_IF_ERROR(check_shape("g", prm.g, {p.B, p.T, p.HV, p.K}, "[B, T, HV, K]"));
   KDA_RETURN_IF_ERROR(check_shape("beta", prm.beta, {p.B, p.T, p.HV}, "[B, T, HV]"));
-  KDA_RETURN_IF_ERROR(check_shape("o", prm.o, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
   KDA_RETURN_IF_ERROR(check_float("q", prm.q, oracle));
   KDA_RETURN_IF_ERROR(check_float("k", prm.k, oracle));
   KDA_RETURN_IF_ERROR(check_float("v", prm.v, oracle));
   KDA_RETURN_IF_ERROR(check_float("g", prm.g, oracle));
   KDA_RETURN_IF_ERROR(check_float("beta", prm.beta, oracle));
-  KDA_RETURN_IF_ERROR(check_float("o", prm.o, true));
-  if (!oracle && prm.o.dtype != prm.q.dtype) {
-    return fail("argument 'o': expected the dtype of q (", dtype_name(prm.q.dtype), "), got ",
-                dtype_name(prm.o.dtype));
+  if (!backward) {  // the backward does not write the forward's outputs
+    KDA_RETURN_IF_ERROR(check_shape("o", prm.o, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
+    KDA_RETURN_IF_ERROR(check_float("o", prm.o, true));
+    if (!oracle && prm.o.dtype != prm.q.dtype) {
+      return fail("argument 'o': expected the dtype of q (", dtype_name(prm.q.dtype), "), got ",
+                  dtype_name(prm.o.dtype));
+    }
+    KDA_RETURN_IF_ERROR(check_writable("o", prm.o));
   }
-  KDA_RETURN_IF_ERROR(check_writable("o", prm.o));
 
   // Options (SPEC.md 1.3).
   if (!oracle && opt.chunk_size != 64 && opt.chunk_size != 32 && opt.chunk_size != 16) {
     return fail("option 'chunk_size': expected 64, 32 or 16, got ", opt.chunk_size);
   }
+  if (opt.chunk_size < 1) return fail("option 'chunk_size': expected >= 1, got ", opt.chunk_size);
   p.chunk = opt.chunk_size;
   if (!oracle && opt.path != Path::kFused && opt.path != Path::kStaged) {
     return fail("option 'path': expected fused or staged, got ", static_cast<int>(opt.path));
@@ -346,13 +349,95 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem) {
     // Any float dtype, fp64 included: states are read into fp32 (fp64 in the oracle).
     KDA_RETURN_IF_ERROR(check_float("initial_state", prm.initial_state, /*oracle=*/true));
   }
-  if (prm.final_state.defined()) {
+  p.chunk_offset.resize(p.segments.size());
+  for (std::size_t s = 0; s < p.segments.size(); ++s) {
+    p.chunk_offset[s] = p.num_chunks;
+    p.num_chunks += (p.segments[s].length + p.chunk - 1) / p.chunk;
+  }
+  if (prm.chunk_states.defined()) {
+    KDA_RETURN_IF_ERROR(check_shape("chunk_states", prm.chunk_states, {p.num_chunks, p.HV, kfirst ? p.K : p.V, kfirst ? p.V : p.K},
+                                    kfirst ? "[NC, HV, K, V]" : "[NC, HV, V, K]"));
+    if (prm.chunk_states.dtype != DType::kF32 && !(oracle && prm.chunk_states.dtype == DType::kF64)) {
+      return fail("argument 'chunk_states': expected dtype float32", oracle ? " (or float64 for the oracle)" : "",
+                  ", got ", dtype_name(prm.chunk_states.dtype));
+    }
+    if (!backward) KDA_RETURN_IF_ERROR(check_writable("chunk_states", prm.chunk_states));
+    const TensorView& t = prm.chunk_states;
+    p.chunk_addr.per_row = p.num_chunks > 0 ? p.num_chunks : 1;
+    p.chunk_addr.stride_slot = t.strides[0];
+    p.chunk_addr.stride_hv = t.strides[1];
+    p.chunk_addr.stride_k = kfirst ? t.strides[2] : t.strides[3];
+    p.chunk_addr.stride_v = kfirst ? t.strides[3] : t.strides[2];
+  }
+  if (prm.final_state.defined() && !backward) {
     KDA_RETURN_IF_ERROR(check_state("final_state", prm.final_state, p, per_row, has_ids, lead, kfirst, &p.final_addr));
     if (prm.final_state.dtype != DType::kF32 && !(oracle && prm.final_state.dtype == DType::kF64)) {
       return fail("argument 'final_state': expected dtype float32", oracle ? " (or float64 for the oracle)" : "",
                   ", got ", dtype_name(prm.final_state.dtype));
     }
     KDA_RETURN_IF_ERROR(check_writable("final_state", prm.final_state));
+  }
+  return {};
+}
+
+Status plan_backward(const BackwardParams& prm, bool oracle, Problem* problem) {
+  KDA_RETURN_IF_ERROR(plan_forward(prm.forward, oracle, problem, /*backward=*/true));
+  const Problem& p = *problem;
+  const ForwardParams& f = prm.forward;
+  const bool kfirst = f.options.state_layout == StateLayout::kKFirst;
+  const bool has_ids = f.segment_ids.defined();
+  const std::int64_t per_row = has_ids ? f.max_num_segments : p.num_states;
+  const char* lead = f.cu_seqlens.defined() ? "N" : "B";
+  KDA_RETURN_IF_ERROR(check_shape("d_o", prm.d_o, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
+  KDA_RETURN_IF_ERROR(check_float("d_o", prm.d_o, oracle));
+  StateAddressing unused;
+  if (prm.d_final_state.defined()) {
+    KDA_RETURN_IF_ERROR(check_state("d_final_state", prm.d_final_state, p, per_row, has_ids, lead, kfirst, &unused));
+    KDA_RETURN_IF_ERROR(check_float("d_final_state", prm.d_final_state, /*oracle=*/true));
+  }
+  struct Grad {
+    const char* name;
+    const TensorView& t;
+    std::initializer_list<std::int64_t> shape;
+    const char* desc;
+  };
+  const Grad grads[] = {
+      {"dq", prm.dq, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"},
+      {"dk", prm.dk, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"},
+      {"dv", prm.dv, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"},
+      {"dg", prm.dg, {p.B, p.T, p.HV, p.K}, "[B, T, HV, K]"},
+      {"dbeta", prm.dbeta, {p.B, p.T, p.HV}, "[B, T, HV]"},
+  };
+  for (const Grad& g : grads) {
+    if (!g.t.defined()) continue;
+    KDA_RETURN_IF_ERROR(check_shape(g.name, g.t, g.shape, g.desc));
+    KDA_RETURN_IF_ERROR(check_float(g.name, g.t, oracle));
+    KDA_RETURN_IF_ERROR(check_writable(g.name, g.t));
+  }
+  auto check_f32 = [&](const char* name, const TensorView& t) -> Status {
+    if (t.dtype != DType::kF32 && !(oracle && t.dtype == DType::kF64)) {
+      return fail("argument '", name, "': expected dtype float32", oracle ? " (or float64 for the oracle)" : "",
+                  ", got ", dtype_name(t.dtype));
+    }
+    return check_writable(name, t);
+  };
+  if (prm.dh0.defined()) {
+    KDA_RETURN_IF_ERROR(check_state("dh0", prm.dh0, p, per_row, has_ids, lead, kfirst, &problem->dh0_addr));
+    KDA_RETURN_IF_ERROR(check_f32("dh0", prm.dh0));
+  }
+  if (prm.dA_log.defined()) {
+    if (!f.A_log.defined()) return fail("argument 'dA_log': given, but the forward has no A_log");
+    KDA_RETURN_IF_ERROR(check_shape("dA_log", prm.dA_log, {p.HV}, "[HV]"));
+    KDA_RETURN_IF_ERROR(check_f32("dA_log", prm.dA_log));
+  }
+  if (prm.ddt_bias.defined()) {
+    if (!f.dt_bias.defined()) return fail("argument 'ddt_bias': given, but the forward has no dt_bias");
+    KDA_RETURN_IF_ERROR(check_present("ddt_bias", prm.ddt_bias));
+    const TensorView& d = prm.ddt_bias;
+    if (d.ndim != f.dt_bias.ndim || d.numel() != p.HV * p.K || (d.ndim == 2 && d.shape[1] != p.K)) {
+      return fail("argument 'ddt_bias': expected the shape of dt_bias ", f.dt_bias.shape_str(), ", got ", d.shape_str());
+    }
+    KDA_RETURN_IF_ERROR(check_f32("ddt_bias", d));
   }
   return {};
 }

@@ -25,6 +25,7 @@ struct CpuPlan {
 #define KDA_DECLARE_CPU_TARGET(ns)                                                          \
   namespace ns {                                                                            \
   Status forward(const detail::Problem& problem, const ForwardParams& params, const CpuPlan& plan); \
+  Status backward(const detail::Problem& problem, const BackwardParams& params, const CpuPlan& plan); \
   }
 
 KDA_DECLARE_CPU_TARGET(avx512)

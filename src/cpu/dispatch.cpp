@@ -37,32 +37,63 @@ CpuTarget target() {
 
 const char* cpu_target() { return target() == CpuTarget::kAvx512 ? "avx512" : "generic"; }
 
+// The work order and staged-buffer offsets of a validated problem.
+struct PlanStorage {
+  std::vector<std::int64_t> order, row_offset;
+  cpu::CpuPlan plan;
+};
+
+void build_plan(const detail::Problem& p, PlanStorage& st);
+
 Status chunk_forward(const ForwardParams& params) {
   detail::Problem p;
   KDA_RETURN_IF_ERROR(detail::plan_forward(params, /*oracle=*/false, &p));
+  PlanStorage st;
+  build_plan(p, st);
+#if defined(KDA_HAVE_AVX512_TARGET)
+  if (target() == CpuTarget::kAvx512) return cpu::avx512::forward(p, params, st.plan);
+#endif
+  return cpu::generic::forward(p, params, st.plan);
+}
+
+Status chunk_backward(const BackwardParams& params) {
+  detail::Problem p;
+  KDA_RETURN_IF_ERROR(detail::plan_backward(params, /*oracle=*/false, &p));
+  PlanStorage st;
+  build_plan(p, st);
+#if defined(KDA_HAVE_AVX512_TARGET)
+  if (target() == CpuTarget::kAvx512) return cpu::avx512::backward(p, params, st.plan);
+#endif
+  return cpu::generic::backward(p, params, st.plan);
+}
+
+void build_plan(const detail::Problem& p, PlanStorage& st) {
+  std::vector<std::int64_t>& order = st.order;
+  std::vector<std::int64_t>& row_offset = st.row_offset;
+  cpu::CpuPlan& plan = st.plan;
   const std::int64_t nseg = static_cast<std::int64_t>(p.segments.size());
-  std::vector<std::int64_t> order(static_cast<std::size_t>(nseg * p.HV));
+  order.resize(static_cast<std::size_t>(nseg * p.HV));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
     return p.segments[a / p.HV].length > p.segments[b / p.HV].length;
   });
-  std::vector<std::int64_t> row_offset(nseg), chunk_offset(nseg);
-  cpu::CpuPlan plan;
-  for (std::int64_t s = 0; s < nseg; ++s) {
-    const std::int64_t chunks = (p.segments[s].length + p.chunk - 1) / p.chunk;
-    row_offset[s] = plan.total_rows;
-    chunk_offset[s] = plan.total_chunks;
-    plan.total_rows += chunks * p.chunk;
-    plan.total_chunks += chunks;
-  }
+  row_offset.resize(static_cast<std::size_t>(nseg));
+  for (std::int64_t s = 0; s < nseg; ++s) row_offset[s] = p.chunk_offset[s] * p.chunk;
+  plan.total_rows = p.num_chunks * p.chunk;
+  plan.total_chunks = p.num_chunks;
   plan.order = order.data();
   plan.num_items = static_cast<std::int64_t>(order.size());
   plan.row_offset = row_offset.data();
-  plan.chunk_offset = chunk_offset.data();
-#if defined(KDA_HAVE_AVX512_TARGET)
-  if (target() == CpuTarget::kAvx512) return cpu::avx512::forward(p, params, plan);
-#endif
-  return cpu::generic::forward(p, params, plan);
+  plan.chunk_offset = p.chunk_offset.data();
+}
+
+Status forward_chunk_count(const ForwardParams& params, std::int64_t* num_chunks) {
+  detail::Problem p;
+  ForwardParams probe = params;
+  probe.chunk_states = TensorView{};  // the count is what sizes it
+  KDA_RETURN_IF_ERROR(detail::plan_forward(probe, /*oracle=*/false, &p));
+  *num_chunks = p.num_chunks;
+  return {};
 }
 
 }  // namespace kda

@@ -41,6 +41,14 @@ Status reference_forward(const ForwardParams& prm) {
     }
     for (std::int64_t t = seg.start; t < seg.start + seg.length; ++t) {
       const std::int64_t b = seg.batch;
+      if (prm.chunk_states.defined() && (t - seg.start) % p.chunk == 0) {
+        const auto& a = p.chunk_addr;
+        const std::int64_t base = a.base(p.chunk_offset[item / p.HV] + (t - seg.start) / p.chunk) + hv * a.stride_hv;
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j)
+            store_from<double>(prm.chunk_states.data, prm.chunk_states.dtype, base + i * a.stride_k + j * a.stride_v,
+                               S[i * V + j]);
+      }
       for (std::int64_t d = 0; d < K; ++d) {
         qt[d] = load_as<double>(q.data, q.dtype, b * q.strides[0] + t * q.strides[1] + h * q.strides[2] + d * q.strides[3]);
         kt[d] = load_as<double>(k.data, k.dtype, b * k.strides[0] + t * k.strides[1] + h * k.strides[2] + d * k.strides[3]);

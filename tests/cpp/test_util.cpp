@@ -256,6 +256,106 @@ void expect_matches_oracle(const Case& c) {
   }
 }
 
+Cotangents make_cotangents(const Case& c, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Cotangents ct;
+  ct.d_o = HostTensor(c.dtype, {c.B, c.T, c.HV, c.V});
+  for (std::int64_t i = 0; i < ct.d_o.numel(); ++i) ct.d_o.set(i, normal(rng));
+  const std::int64_t n = c.num_states();
+  ct.dht = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {n, c.HV, c.K, c.V})
+                                            : HostTensor(DType::kF32, {n, c.HV, c.V, c.K});
+  for (std::int64_t i = 0; i < ct.dht.numel(); ++i) ct.dht.set(i, 0.3 * normal(rng));
+  return ct;
+}
+
+namespace {
+// [B*N, ...] flat state buffer viewed as [B, N, ...] for segment_ids calls.
+TensorView state_view(const Case& c, const TensorView& t) {
+  if (c.segment_ids.empty()) return t;
+  TensorView r = t;
+  r.ndim = 5;
+  for (int i = 4; i >= 2; --i) {
+    r.shape[i] = t.shape[i - 1];
+    r.strides[i] = t.strides[i - 1];
+  }
+  r.shape[0] = c.B;
+  r.shape[1] = c.max_num_segments;
+  r.strides[1] = t.strides[0];
+  r.strides[0] = t.strides[0] * c.max_num_segments;
+  return r;
+}
+}  // namespace
+
+Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle, Residuals residuals,
+                   bool want_dh0) {
+  const DType gd = oracle ? DType::kF64 : c.dtype;
+  const DType fd = oracle ? DType::kF64 : DType::kF32;
+  const std::int64_t n = c.num_states();
+  HostTensor o(gd, {c.B, c.T, c.HV, c.V}), ht(fd, {1});
+  ForwardParams fwd = make_params(c, in, o, ht);
+  fwd.final_state = TensorView{};
+  HostTensor states;
+  if (!oracle && residuals == Residuals::kSaved) {
+    std::int64_t nc = 0;
+    Status s = forward_chunk_count(fwd, &nc);
+    EXPECT_TRUE(s.ok()) << s.message();
+    states = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {nc, c.HV, c.K, c.V})
+                                              : HostTensor(DType::kF32, {nc, c.HV, c.V, c.K});
+    fwd.chunk_states = states.view;
+    s = chunk_forward(fwd);
+    EXPECT_TRUE(s.ok()) << s.message();
+  }
+  BackwardParams bp;
+  bp.forward = fwd;
+  bp.d_o = ct.d_o.view;
+  if (c.final_state) bp.d_final_state = state_view(c, ct.dht.view);
+  HostTensor dq(gd, {c.B, c.T, c.H, c.K}), dk(gd, {c.B, c.T, c.H, c.K}), dv(gd, {c.B, c.T, c.HV, c.V}),
+      dg(gd, {c.B, c.T, c.HV, c.K}), dbeta(gd, {c.B, c.T, c.HV});
+  HostTensor dh0 = c.layout == StateLayout::kKFirst ? HostTensor(fd, {n, c.HV, c.K, c.V})
+                                                    : HostTensor(fd, {n, c.HV, c.V, c.K});
+  HostTensor dA_log(fd, {c.HV}), ddt_bias(fd, {c.HV * c.K});
+  for (HostTensor* t : {&dq, &dk, &dv, &dg, &dbeta, &dh0, &dA_log, &ddt_bias}) t->fill(12345.0);
+  bp.dq = dq.view, bp.dk = dk.view, bp.dv = dv.view, bp.dg = dg.view, bp.dbeta = dbeta.view;
+  const bool has_dh0 = c.initial_state || want_dh0;
+  if (has_dh0) bp.dh0 = state_view(c, dh0.view);
+  if (in.has_A_log) bp.dA_log = dA_log.view;
+  if (in.has_dt_bias) bp.ddt_bias = ddt_bias.view;
+  const Status s = oracle ? reference_backward(bp) : chunk_backward(bp);
+  EXPECT_TRUE(s.ok()) << s.message() << "\n" << c.describe();
+  Grads g;
+  g.dq = dq.to_double(), g.dk = dk.to_double(), g.dv = dv.to_double(), g.dg = dg.to_double();
+  g.dbeta = dbeta.to_double();
+  if (has_dh0) g.dh0 = dh0.to_double();
+  if (in.has_A_log) g.dA_log = dA_log.to_double();
+  if (in.has_dt_bias) g.ddt_bias = ddt_bias.to_double();
+  return g;
+}
+
+void expect_backward_matches_oracle(const Case& c, Residuals residuals) {
+  const Inputs in = make_inputs(c);
+  const Cotangents ct = make_cotangents(c, c.seed + 99);
+  const Grads ref = run_backward(c, in, ct, true);
+  const Grads out = run_backward(c, in, ct, false, residuals);
+  struct Item {
+    const char* name;
+    const std::vector<double>& a;
+    const std::vector<double>& b;
+    bool param_like;
+  };
+  const Item items[] = {{"dq", out.dq, ref.dq, false},       {"dk", out.dk, ref.dk, false},
+                        {"dv", out.dv, ref.dv, false},       {"dh0", out.dh0, ref.dh0, false},
+                        {"dg", out.dg, ref.dg, true},        {"dbeta", out.dbeta, ref.dbeta, true},
+                        {"dA_log", out.dA_log, ref.dA_log, true}, {"ddt_bias", out.ddt_bias, ref.ddt_bias, true}};
+  for (const Item& it : items) {
+    const Metric m = compare(it.a, it.b);
+    const double bound = grad_bound(c.dtype, it.param_like);
+    if (std::getenv("KDA_TEST_VERBOSE")) std::printf("%s %s | %s\n", it.name, m.str().c_str(), c.describe().c_str());
+    EXPECT_TRUE(m.finite && m.rel <= bound) << it.name << ": " << m.str() << " bound=" << bound << "\n"
+                                            << c.describe() << (residuals == Residuals::kSaved ? " saved" : " remat");
+  }
+}
+
 bool large_tests() { return std::getenv("KDA_LARGE_TESTS") != nullptr; }
 
 }  // namespace kda::test

@@ -131,6 +131,32 @@ ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTe
 // Runs chunk_forward (oracle=false) or reference_forward (oracle=true, fp64 outputs).
 Outputs run_forward(const Case& c, const Inputs& in, bool oracle);
 
+// Backward: cotangents of o and the final state, and every gradient as doubles.
+struct Cotangents {
+  HostTensor d_o, dht;
+};
+Cotangents make_cotangents(const Case& c, std::uint32_t seed);
+
+enum class Residuals { kSaved, kRemat };
+
+struct Grads {
+  std::vector<double> dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
+};
+
+// Runs chunk_forward (+ chunk_states for kSaved) then chunk_backward, or the fp64 adjoint
+// oracle. dh0 is requested when the case has an initial state or when `want_dh0`.
+Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle,
+                   Residuals residuals = Residuals::kSaved, bool want_dh0 = false);
+
+// SPEC.md section 4 bounds for gradients.
+inline double grad_bound(DType dtype, bool param_like) {
+  if (dtype == DType::kF32) return 1e-4;
+  return param_like ? 2e-2 : 8e-3;
+}
+
+// Asserts every gradient of the kernel backward against the oracle within the bounds.
+void expect_backward_matches_oracle(const Case& c, Residuals residuals);
+
 struct Metric {
   double rel = 0, max_abs = 0;
   bool finite = true;
