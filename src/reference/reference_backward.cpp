@@ -226,8 +226,8 @@ Status reference_backward(const BackwardParams& prm) {
                 dx = -c.gp.a * detail::sigmoid(x);
                 da = tk.g[i];
               } else {
-                const double s = detail::sigmoid(c.gp.a * x);
-                dx = p.lower_bound * s * (1 - s) * c.gp.a;
+                const double z = c.gp.a * x;
+                dx = p.lower_bound * detail::sigmoid(z) * detail::sigmoid(-z) * c.gp.a;
                 da = dx * x;
               }
               dgraw = dgam[i] * dx;
@@ -237,8 +237,7 @@ Status reference_backward(const BackwardParams& prm) {
             if (prm.dg.defined()) store_from<double>(prm.dg.data, prm.dg.dtype, off4(prm.dg, b, tt, hv, i), dgraw);
           }
           if (p.beta_sigmoid) {
-            const double s = detail::sigmoid(tk.braw);
-            dbeta *= p.beta_scale * s * (1 - s);
+            dbeta *= p.beta_scale * detail::sigmoid(tk.braw) * detail::sigmoid(-tk.braw);
           }
           if (prm.dbeta.defined())
             store_from<double>(prm.dbeta.data, prm.dbeta.dtype,
