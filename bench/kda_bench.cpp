@@ -1,7 +1,7 @@
 // kda-bench: median latency and measured peak memory of the libkda paths on the SPEC.md
 // section 5 workloads, each next to its baseline in the same run.
 //
-//   kda-bench [--suite forward|forward-packed|all] [--baseline] [--heads H] [--tokens T]
+//   kda-bench [--suite forward|forward-packed|backward|backward-packed|all] [--baseline] [--heads H] [--tokens T]
 //             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
 //
@@ -18,6 +18,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,7 +40,7 @@ struct Config {
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "kda-bench: %s\n"
-               "usage: kda-bench [--suite forward|forward-packed|all] [--baseline] [--heads H] [--tokens T]\n"
+               "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|all] [--baseline] [--heads H] [--tokens T]\n"
                "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]\n"
                "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
                msg);
@@ -77,8 +78,9 @@ Config parse(int argc, char** argv) {
     else if (a == "--help" || a == "-h") usage("help");
     else usage(("unknown flag " + a).c_str());
   }
-  if (c.suite != "all" && c.suite != "forward" && c.suite != "forward-packed") {
-    usage(("unknown suite " + c.suite + " (this build has forward, forward-packed, all)").c_str());
+  if (c.suite != "all" && c.suite != "forward" && c.suite != "forward-packed" && c.suite != "backward" &&
+      c.suite != "backward-packed") {
+    usage(("unknown suite " + c.suite + " (forward, forward-packed, backward, backward-packed, all)").c_str());
   }
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32") usage(("unknown dtype " + c.dtype).c_str());
   if (c.iters < 1) usage("--iters must be >= 1");
@@ -140,6 +142,7 @@ struct Record {
   std::string suite, path, shape, dtype;
   double median_ms = 0, min_ms = 0, max_ms = 0;
   std::int64_t peak_bytes = 0, extra_bytes = 0;
+  std::int64_t residual_bytes = 0;  // kept between forward and backward (training suites)
   double gflops = 0;
   double speedup = 0;  // over the baseline in the same run, 0 if none
 };
@@ -158,56 +161,85 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const std::string& suite) {
-  const std::int64_t N = w.cu.empty() ? w.B : static_cast<std::int64_t>(w.cu.size()) - 1;
-  Tensor q(w.dtype, {w.B, w.T, w.H, w.K}), k(w.dtype, {w.B, w.T, w.H, w.K});
-  Tensor v(w.dtype, {w.B, w.T, w.HV, w.V}), g(w.dtype, {w.B, w.T, w.HV, w.K});
-  Tensor beta(w.dtype, {w.B, w.T, w.HV});
-  Tensor A_log(kda::DType::kF32, {w.HV}), dt_bias(kda::DType::kF32, {w.HV * w.K});
-  Tensor o(w.dtype, {w.B, w.T, w.HV, w.V});
-  Tensor h0(kda::DType::kF32, {N, w.HV, w.K, w.V}), ht(kda::DType::kF32, {N, w.HV, w.K, w.V});
-  Tensor cu(kda::DType::kI64, {w.cu.empty() ? 1 : static_cast<std::int64_t>(w.cu.size())});
-  fill(q, -1, 1, 1);
-  fill(k, -1, 1, 2);
-  fill(v, -1, 1, 3);
-  fill(g, -2, 2, 4);
-  fill(beta, 0.05f, 0.95f, 5);
-  fill(A_log, 0, 2.7f, 6);
-  fill(dt_bias, -0.5f, 0.5f, 7);
-  fill(h0, -0.1f, 0.1f, 8);
-  for (std::size_t i = 0; i < w.cu.size(); ++i) static_cast<std::int64_t*>(cu.buf.get())[i] = w.cu[i];
+// Inputs, outputs and (for the backward suites) gradients of one workload, allocated through
+// the accounting allocator so they count in the measured peak.
+struct Problem {
+  std::int64_t N;
+  Tensor q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu;
+  std::unique_ptr<Tensor> d_o, dht, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
+  kda::ForwardParams fwd;
+  kda::BackwardParams bwd;
 
-  kda::ForwardParams p;
-  p.q = q.view, p.k = k.view, p.v = v.view, p.g = g.view, p.beta = beta.view;
-  p.A_log = A_log.view, p.dt_bias = dt_bias.view;
-  p.initial_state = h0.view, p.o = o.view, p.final_state = ht.view;
-  if (!w.cu.empty()) p.cu_seqlens = cu.view;
-  p.options.use_qk_l2norm_in_kernel = true;
-  p.options.use_gate_in_kernel = true;
-  p.options.has_lower_bound = true;
-  p.options.lower_bound = -5.0f;
-  p.options.chunk_size = cfg.chunk;
-  p.options.path = path;
-  p.options.num_threads = cfg.threads;
+  Problem(const Config& cfg, const Workload& w, bool backward)
+      : N(w.cu.empty() ? w.B : static_cast<std::int64_t>(w.cu.size()) - 1),
+        q(w.dtype, {w.B, w.T, w.H, w.K}), k(w.dtype, {w.B, w.T, w.H, w.K}), v(w.dtype, {w.B, w.T, w.HV, w.V}),
+        g(w.dtype, {w.B, w.T, w.HV, w.K}), beta(w.dtype, {w.B, w.T, w.HV}), A_log(kda::DType::kF32, {w.HV}),
+        dt_bias(kda::DType::kF32, {w.HV * w.K}), o(w.dtype, {w.B, w.T, w.HV, w.V}),
+        h0(kda::DType::kF32, {N, w.HV, w.K, w.V}), ht(kda::DType::kF32, {N, w.HV, w.K, w.V}),
+        cu(kda::DType::kI64, {w.cu.empty() ? 1 : static_cast<std::int64_t>(w.cu.size())}) {
+    fill(q, -1, 1, 1);
+    fill(k, -1, 1, 2);
+    fill(v, -1, 1, 3);
+    fill(g, -2, 2, 4);
+    fill(beta, 0.05f, 0.95f, 5);
+    fill(A_log, 0, 2.7f, 6);
+    fill(dt_bias, -0.5f, 0.5f, 7);
+    fill(h0, -0.1f, 0.1f, 8);
+    for (std::size_t i = 0; i < w.cu.size(); ++i) static_cast<std::int64_t*>(cu.buf.get())[i] = w.cu[i];
+    fwd.q = q.view, fwd.k = k.view, fwd.v = v.view, fwd.g = g.view, fwd.beta = beta.view;
+    fwd.A_log = A_log.view, fwd.dt_bias = dt_bias.view;
+    fwd.initial_state = h0.view, fwd.o = o.view, fwd.final_state = ht.view;
+    if (!w.cu.empty()) fwd.cu_seqlens = cu.view;
+    fwd.options.use_qk_l2norm_in_kernel = true;
+    fwd.options.use_gate_in_kernel = true;
+    fwd.options.has_lower_bound = true;
+    fwd.options.lower_bound = -5.0f;
+    fwd.options.chunk_size = cfg.chunk;
+    fwd.options.num_threads = cfg.threads;
+    if (!backward) return;
+    auto make = [](kda::DType dt, std::initializer_list<std::int64_t> shape) { return std::make_unique<Tensor>(dt, shape); };
+    d_o = make(w.dtype, {w.B, w.T, w.HV, w.V});
+    dht = make(kda::DType::kF32, {N, w.HV, w.K, w.V});
+    fill(*d_o, -1, 1, 9);
+    fill(*dht, -0.1f, 0.1f, 10);
+    dq = make(w.dtype, {w.B, w.T, w.H, w.K});
+    dk = make(w.dtype, {w.B, w.T, w.H, w.K});
+    dv = make(w.dtype, {w.B, w.T, w.HV, w.V});
+    dg = make(w.dtype, {w.B, w.T, w.HV, w.K});
+    dbeta = make(w.dtype, {w.B, w.T, w.HV});
+    dh0 = make(kda::DType::kF32, {N, w.HV, w.K, w.V});
+    dA_log = make(kda::DType::kF32, {w.HV});
+    ddt_bias = make(kda::DType::kF32, {w.HV * w.K});
+    bwd.d_o = d_o->view, bwd.d_final_state = dht->view;
+    bwd.dq = dq->view, bwd.dk = dk->view, bwd.dv = dv->view, bwd.dg = dg->view, bwd.dbeta = dbeta->view;
+    bwd.dh0 = dh0->view, bwd.dA_log = dA_log->view, bwd.ddt_bias = ddt_bias->view;
+  }
+};
 
+void check(const kda::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "kda-bench: %s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+// Times `call` (warm-up excluded), recording median/min/max and the measured peak memory.
+Record measure(const Config& cfg, const Workload& w, const std::string& suite, const std::string& path,
+               const std::function<std::int64_t()>& call) {
   const std::int64_t base_bytes = kda::memory_stats().current_bytes;
   std::vector<double> times;
-  std::int64_t peak = 0;
+  std::int64_t peak = 0, residual = 0;
   for (int it = 0; it < cfg.warmup + cfg.iters; ++it) {
     kda::reset_peak_memory();
     const auto t0 = std::chrono::steady_clock::now();
-    const kda::Status s = kda::chunk_forward(p);
+    residual = call();
     const auto t1 = std::chrono::steady_clock::now();
-    if (!s.ok()) {
-      std::fprintf(stderr, "kda-bench: %s\n", s.message().c_str());
-      std::exit(1);
-    }
     peak = std::max(peak, kda::memory_stats().peak_bytes);
     if (it >= cfg.warmup) times.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
   }
   Record r;
   r.suite = suite;
-  r.path = kda::path_name(path);
+  r.path = path;
   r.shape = w.shape;
   r.dtype = cfg.dtype;
   r.median_ms = median(times);
@@ -215,10 +247,50 @@ Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const s
   r.max_ms = *std::max_element(times.begin(), times.end());
   r.peak_bytes = peak;
   r.extra_bytes = peak - base_bytes;
-  // FLOP model of the chunked forward per token and value head: 2C(3K + 2V) + 6KV.
+  r.residual_bytes = residual;
+  return r;
+}
+
+// FLOP model of the chunked forward per token and value head: 2C(3K + 2V) + 6KV.
+double forward_flops(const Config& cfg, const Workload& w) {
   const double C = cfg.chunk;
-  const double flops = static_cast<double>(w.B * w.T * w.HV) * (2 * C * (3.0 * w.K + 2.0 * w.V) + 6.0 * w.K * w.V);
-  r.gflops = flops / (r.median_ms * 1e-3) / 1e9;
+  return static_cast<double>(w.B * w.T * w.HV) * (2 * C * (3.0 * w.K + 2.0 * w.V) + 6.0 * w.K * w.V);
+}
+
+Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const std::string& suite) {
+  Problem pb(cfg, w, false);
+  pb.fwd.options.path = path;
+  Record r = measure(cfg, w, suite, kda::path_name(path), [&] {
+    check(kda::chunk_forward(pb.fwd));
+    return std::int64_t{0};
+  });
+  r.gflops = forward_flops(cfg, w) / (r.median_ms * 1e-3) / 1e9;
+  return r;
+}
+
+// Forward + backward as a training step runs them. Saved-state: the forward writes every chunk's
+// entering state (the residual) and the backward reads it; remat: no residual.
+Record run_training_step(const Config& cfg, const Workload& w, Problem& pb, kda::Path path, bool saved,
+                         const std::string& suite) {
+  pb.fwd.options.path = path;
+  const std::string label = std::string(kda::path_name(path)) + (saved ? "-saved" : "-remat");
+  Record r = measure(cfg, w, suite, label, [&] {
+    kda::ForwardParams fwd = pb.fwd;
+    std::unique_ptr<Tensor> states;
+    if (saved) {
+      std::int64_t nc = 0;
+      check(kda::forward_chunk_count(fwd, &nc));
+      states = std::make_unique<Tensor>(kda::DType::kF32, std::initializer_list<std::int64_t>{nc, w.HV, w.K, w.V});
+      fwd.chunk_states = states->view;
+    }
+    check(kda::chunk_forward(fwd));
+    kda::BackwardParams bwd = pb.bwd;
+    bwd.forward = fwd;
+    check(kda::chunk_backward(bwd));
+    return states ? static_cast<std::int64_t>(states->view.numel() * 4) : std::int64_t{0};
+  });
+  // FLOP model: backward = 2x forward (the usual training-step accounting), so 3x in all.
+  r.gflops = 3.0 * forward_flops(cfg, w) / (r.median_ms * 1e-3) / 1e9;
   return r;
 }
 
@@ -248,7 +320,7 @@ void write_json(const Config& cfg, const std::vector<Record>& recs) {
     f << "  {\"suite\": \"" << r.suite << "\", \"path\": \"" << r.path << "\", \"shape\": \"" << r.shape
       << "\", \"dtype\": \"" << r.dtype << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
       << ", \"max_ms\": " << r.max_ms << ", \"peak_bytes\": " << r.peak_bytes << ", \"extra_bytes\": " << r.extra_bytes
-      << ", \"gflops\": " << r.gflops << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
+      << ", \"residual_bytes\": " << r.residual_bytes << ", \"gflops\": " << r.gflops << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
       << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters << "}"
       << (i + 1 < recs.size() ? "," : "") << "\n";
   }
@@ -257,58 +329,119 @@ void write_json(const Config& cfg, const std::vector<Record>& recs) {
 
 }  // namespace
 
+Workload make_workload(const Config& cfg, const std::string& suite) {
+  Workload w;
+  w.T = cfg.tokens, w.H = cfg.heads, w.HV = cfg.heads, w.K = cfg.K, w.V = cfg.V;
+  w.dtype = dtype_of(cfg.dtype);
+  char shape[160];
+  if (suite == "forward-packed" || suite == "backward-packed") {
+    w.cu = balanced_cu_seqlens(cfg.tokens, cfg.segments);
+    std::snprintf(shape, sizeof shape, "B=1 T=%lld N=%lld H=%lld K=%lld V=%lld", (long long)w.T,
+                  (long long)cfg.segments, (long long)w.H, (long long)w.K, (long long)w.V);
+  } else {
+    std::snprintf(shape, sizeof shape, "B=1 T=%lld H=%lld K=%lld V=%lld", (long long)w.T, (long long)w.H,
+                  (long long)w.K, (long long)w.V);
+  }
+  w.shape = shape;
+  return w;
+}
+
+void progress(const std::string& suite, const std::string& what, const Workload& w) {
+  std::fprintf(stderr, "[kda-bench] %s %s %s ...\n", suite.c_str(), what.c_str(), w.shape.c_str());
+}
+
+// The forward suites: fused (and with --baseline staged) forward.
+std::vector<Record> forward_suite(const Config& cfg, const std::string& suite) {
+  const Workload w = make_workload(cfg, suite);
+  std::vector<Record> recs;
+  std::vector<kda::Path> paths{kda::Path::kFused};
+  if (cfg.baseline) paths.push_back(kda::Path::kStaged);
+  for (kda::Path path : paths) {
+    progress(suite, kda::path_name(path), w);
+    recs.push_back(run_forward(cfg, w, path, suite));
+  }
+  if (cfg.baseline)
+    for (auto& r : recs) r.speedup = recs.back().median_ms / r.median_ms;
+  return recs;
+}
+
+// The training suites: forward + backward, fused with saved states, fused rematerialized, and
+// with --baseline the staged pair; plus the fused forward alone for the fwd+bwd / fwd ratio.
+std::vector<Record> backward_suite(const Config& cfg, const std::string& suite) {
+  const Workload w = make_workload(cfg, suite);
+  Problem pb(cfg, w, true);
+  std::vector<Record> recs;
+  progress(suite, "fused forward only", w);
+  {
+    pb.fwd.options.path = kda::Path::kFused;
+    Record r = measure(cfg, w, suite, "fused-forward-only", [&] {
+      check(kda::chunk_forward(pb.fwd));
+      return std::int64_t{0};
+    });
+    r.gflops = forward_flops(cfg, w) / (r.median_ms * 1e-3) / 1e9;
+    recs.push_back(r);
+  }
+  progress(suite, "fused-saved", w);
+  recs.push_back(run_training_step(cfg, w, pb, kda::Path::kFused, true, suite));
+  progress(suite, "fused-remat", w);
+  recs.push_back(run_training_step(cfg, w, pb, kda::Path::kFused, false, suite));
+  if (cfg.baseline) {
+    progress(suite, "staged-saved", w);
+    recs.push_back(run_training_step(cfg, w, pb, kda::Path::kStaged, true, suite));
+    for (std::size_t i = 1; i < recs.size(); ++i) recs[i].speedup = recs.back().median_ms / recs[i].median_ms;
+  }
+  return recs;
+}
+
+const Record* find(const std::vector<Record>& recs, const std::string& suite, const std::string& path) {
+  for (const Record& r : recs)
+    if (r.suite == suite && r.path == path) return &r;
+  return nullptr;
+}
+
 int main(int argc, char** argv) {
   const Config cfg = parse(argc, argv);
   std::vector<std::string> suites;
-  if (cfg.suite == "all") suites = {"forward", "forward-packed"};
+  if (cfg.suite == "all") suites = {"forward", "forward-packed", "backward", "backward-packed"};
   else suites = {cfg.suite};
 
   std::printf("kda-bench %s, cpu target %s, threads %s, %d iterations after %d warm-up\n", kda::version(),
               kda::cpu_target(), cfg.threads ? std::to_string(cfg.threads).c_str() : "all", cfg.iters, cfg.warmup);
   std::vector<Record> recs;
   for (const std::string& suite : suites) {
-    Workload w;
-    w.T = cfg.tokens, w.H = cfg.heads, w.HV = cfg.heads, w.K = cfg.K, w.V = cfg.V;
-    w.dtype = dtype_of(cfg.dtype);
-    char shape[160];
-    if (suite == "forward-packed") {
-      w.cu = balanced_cu_seqlens(cfg.tokens, cfg.segments);
-      std::snprintf(shape, sizeof shape, "B=1 T=%lld N=%lld H=%lld K=%lld V=%lld", (long long)w.T,
-                    (long long)cfg.segments, (long long)w.H, (long long)w.K, (long long)w.V);
-    } else {
-      std::snprintf(shape, sizeof shape, "B=1 T=%lld H=%lld K=%lld V=%lld", (long long)w.T, (long long)w.H,
-                    (long long)w.K, (long long)w.V);
-    }
-    w.shape = shape;
-    std::vector<kda::Path> paths{kda::Path::kFused};
-    if (cfg.baseline) paths.push_back(kda::Path::kStaged);
-    std::vector<Record> suite_recs;
-    for (kda::Path path : paths) {
-      std::fprintf(stderr, "[kda-bench] %s %s %s ...\n", suite.c_str(), kda::path_name(path), shape);
-      suite_recs.push_back(run_forward(cfg, w, path, suite));
-    }
-    if (cfg.baseline) {
-      const double base = suite_recs.back().median_ms;
-      for (auto& r : suite_recs) r.speedup = base / r.median_ms;
-    }
-    recs.insert(recs.end(), suite_recs.begin(), suite_recs.end());
+    const bool training = suite == "backward" || suite == "backward-packed";
+    const std::vector<Record> r = training ? backward_suite(cfg, suite) : forward_suite(cfg, suite);
+    recs.insert(recs.end(), r.begin(), r.end());
   }
 
-  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s | peak MB | extra MB | speed-up vs staged |\n");
-  std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s | peak MB | extra MB | residual MB | speed-up vs staged |\n");
+  std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Record& r : recs) {
     char sp[32] = "-";
     if (r.speedup > 0) std::snprintf(sp, sizeof sp, "%.2fx", r.speedup);
-    std::printf("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s |\n", r.suite.c_str(), r.path.c_str(),
-                r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, r.gflops, mb(r.peak_bytes).c_str(),
-                mb(r.extra_bytes).c_str(), sp);
+    std::printf("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s | %s |\n", r.suite.c_str(),
+                r.path.c_str(), r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, r.gflops,
+                mb(r.peak_bytes).c_str(), mb(r.extra_bytes).c_str(), mb(r.residual_bytes).c_str(), sp);
   }
-  if (cfg.baseline) {
-    for (std::size_t i = 0; i + 1 < recs.size(); i += 2) {
-      const Record& f = recs[i];
-      const Record& s = recs[i + 1];
-      std::printf("%s: fused %.2fx faster than staged, peak memory %.0f%% lower\n", f.suite.c_str(),
-                  s.median_ms / f.median_ms, 100.0 * (1.0 - static_cast<double>(f.peak_bytes) / s.peak_bytes));
+  std::printf("\n");
+  for (const std::string& suite : suites) {
+    if (const Record* f = find(recs, suite, "fused"); f && find(recs, suite, "staged")) {
+      const Record* st = find(recs, suite, "staged");
+      std::printf("%s: fused %.2fx faster than staged, peak memory %.0f%% lower\n", suite.c_str(),
+                  st->median_ms / f->median_ms, 100.0 * (1.0 - static_cast<double>(f->peak_bytes) / st->peak_bytes));
+    }
+    const Record* fo = find(recs, suite, "fused-forward-only");
+    const Record* fs = find(recs, suite, "fused-saved");
+    const Record* fr = find(recs, suite, "fused-remat");
+    if (fo && fs && fr) {
+      std::printf("%s: fwd+bwd (saved) %.2fx the fused forward alone; remat residual %.0f%% below saved "
+                  "(%s MB vs %s MB), remat step %.2fx the saved one\n",
+                  suite.c_str(), fs->median_ms / fo->median_ms,
+                  fs->residual_bytes ? 100.0 * (1.0 - static_cast<double>(fr->residual_bytes) / fs->residual_bytes) : 0.0,
+                  mb(fr->residual_bytes).c_str(), mb(fs->residual_bytes).c_str(), fr->median_ms / fs->median_ms);
+      if (const Record* ss = find(recs, suite, "staged-saved"))
+        std::printf("%s: fused fwd+bwd %.2fx faster than staged, peak memory %.0f%% lower\n", suite.c_str(),
+                    ss->median_ms / fs->median_ms, 100.0 * (1.0 - static_cast<double>(fs->peak_bytes) / ss->peak_bytes));
     }
   }
   if (!cfg.json.empty()) write_json(cfg, recs);

@@ -28,6 +28,10 @@ struct ForwardParams {
   TensorView cu_seqlens, segment_ids;
   std::int64_t max_num_segments = 0;
   TensorView initial_state;  // optional
+  // Optional [N] int32/int64: with it, initial_state is a state pool [slots, HV, K, V] (V-first:
+  // [slots, HV, V, K]) and sequence n starts from slot initial_state_indices[n] (negative: zero
+  // state), read in place without a gather copy. Not with segment_ids.
+  TensorView initial_state_indices;
   TensorView o;              // required
   TensorView final_state;    // optional output
   // Optional output: the state entering every chunk, fp32 [NC, HV, K, V] (V-first: [NC, HV, V, K]),
@@ -39,7 +43,8 @@ struct ForwardParams {
   Options options;
 };
 
-// Number of chunks NC of the chunk_states tensor for these params (validates them first).
+// Number of chunks NC of the chunk_states tensor for these params. Validates the inputs and the
+// sequence description only (not o or final_state; fp64 inputs are accepted).
 Status forward_chunk_count(const ForwardParams& params, std::int64_t* num_chunks);
 
 // Gradients of the forward (SPEC.md section 2, chunk backward). `forward` holds the inputs and
@@ -61,8 +66,38 @@ struct BackwardParams {
 
 Status chunk_backward(const BackwardParams& params);
 
+// Checks params for chunk_backward without running it (frameworks call it before the forward).
+Status validate_backward(const BackwardParams& params);
+
 // The exact adjoint of the SPEC.md section 1 recurrence in fp64 (the backward oracle).
 Status reference_backward(const BackwardParams& params);
+
+// Decode against a state pool (SPEC.md section 3): T tokens (1, or a few draft tokens) per
+// sequence, token by token, updating the pool in place. FLA's fused_recurrent_kda_fwd / vLLM's
+// ssm_state_indices + num_accepted_tokens contract.
+//   q, k [N, T, H, K]; v [N, T, HV, V]; g [N, T, HV, K]; beta [N, T, HV]; o [N, T, HV, V]
+//   state_pool [slots, HV, K, V] fp32 (V-first: [slots, HV, V, K]), updated in place
+//   slot_indices [N] or [N, T], int32/int64:
+//     [N]: sequence n reads slot s = slot_indices[n] and writes its state after the last token
+//          back to s;
+//     [N, T]: it reads slot slot_indices[n, a - 1] with a = num_accepted_tokens[n] (1 when not
+//          given) and writes the state after token t to slot_indices[n, t] (skipped when < 0),
+//          so rejected draft tokens can be rolled back.
+//     A negative read slot makes row n padding: o rows are 0 and the pool is not touched.
+//   num_accepted_tokens [N] int32/int64, values in [1, T]; only with [N, T] indices.
+// Errors (nothing written to o or the pool): a slot index >= slots; two rows writing the same
+// slot; num_accepted_tokens out of [1, T].
+struct DecodeParams {
+  TensorView q, k, v, g, beta;
+  TensorView A_log, dt_bias;
+  TensorView state_pool;
+  TensorView slot_indices;
+  TensorView num_accepted_tokens;
+  TensorView o;
+  Options options;  // path and chunk_size do not apply
+};
+
+Status decode(const DecodeParams& params);
 
 // The chunked forward on the CPU, by options.path (fused or staged).
 Status chunk_forward(const ForwardParams& params);

@@ -1,5 +1,5 @@
-// Thin nanobind bindings of the libkda forward (include/kda/ops.hpp) for the numpy package
-// python/libkda. Each tensor arrives as (array, dtype code): the code names the element type
+// Thin nanobind bindings of the libkda forward and backward (include/kda/ops.hpp) for the numpy
+// package python/libkda. Each tensor arrives as (array, dtype code): the code names the element type
 // because numpy has no DLPack code for bfloat16 (bf16 arrays come in as a uint16 view).
 // Arrays are wrapped, never copied: nanobind gives element strides, which is what
 // kda::TensorView takes. All shape and semantic checks are the library's (its messages name
@@ -73,14 +73,15 @@ kda::Path parse_path(const std::string& path) {
   throw nb::value_error(("kda: option 'path': expected 'fused' or 'staged', got '" + path + "'").c_str());
 }
 
-using Entry = kda::Status (*)(const kda::ForwardParams&);
-
-void run_forward(Entry entry, const In& q, const In& k, const In& v, const In& g, const In& beta,
-                 const In& A_log, const In& dt_bias, const In& cu_seqlens, const In& segment_ids,
-                 std::int64_t max_num_segments, const In& initial_state, const Out& o, const Out& final_state,
-                 std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
-                 std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
-                 int chunk_size, bool state_v_first, const std::string& path, int num_threads) {
+// The forward's inputs and options, shared by every entry point (forward, forward_chunk_count,
+// backward). Outputs (o, final_state, chunk_states) are set by the caller.
+kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const In& g, const In& beta,
+                                  const In& A_log, const In& dt_bias, const In& cu_seqlens,
+                                  const In& segment_ids, std::int64_t max_num_segments, const In& initial_state,
+                                  std::optional<float> scale, bool use_qk_l2norm_in_kernel,
+                                  bool use_gate_in_kernel, std::optional<float> lower_bound,
+                                  bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, int chunk_size,
+                                  bool state_v_first, const std::string& path, int num_threads) {
   kda::ForwardParams p;
   p.q = make_view(q, "q");
   p.k = make_view(k, "k");
@@ -93,8 +94,6 @@ void run_forward(Entry entry, const In& q, const In& k, const In& v, const In& g
   p.segment_ids = make_view(segment_ids, "segment_ids");
   p.max_num_segments = max_num_segments;
   p.initial_state = make_view(initial_state, "initial_state");
-  p.o = make_view(o, "o");
-  p.final_state = make_view(final_state, "final_state");
 
   kda::Options& opt = p.options;
   opt.scale = scale ? *scale : NAN;
@@ -108,39 +107,105 @@ void run_forward(Entry entry, const In& q, const In& k, const In& v, const In& g
   opt.state_layout = state_v_first ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;
   opt.path = parse_path(path);
   opt.num_threads = num_threads;
+  return p;
+}
 
+// Runs fn() without the GIL; a failed status becomes ValueError(message).
+template <typename Fn>
+void call(Fn&& fn) {
   kda::Status status;
   {
     nb::gil_scoped_release release;
-    status = entry(p);
+    status = fn();
   }
   if (!status.ok()) throw nb::value_error(status.message().c_str());
 }
 
-template <Entry entry>
-void forward_entry(const In& q, const In& k, const In& v, const In& g, const In& beta, const In& A_log,
-                   const In& dt_bias, const In& cu_seqlens, const In& segment_ids, std::int64_t max_num_segments,
-                   const In& initial_state, const Out& o, const Out& final_state, std::optional<float> scale,
-                   bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, std::optional<float> lower_bound,
-                   bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, int chunk_size, bool state_v_first,
-                   const std::string& path, int num_threads) {
-  run_forward(entry, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, max_num_segments, initial_state,
-              o, final_state, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first, path, num_threads);
+// The forward's Python signature: every input and option, then the outputs.
+#define KDA_FORWARD_ARGS                                                                                      \
+  const In &q, const In &k, const In &v, const In &g, const In &beta, const In &A_log, const In &dt_bias,   \
+      const In &cu_seqlens, const In &segment_ids, std::int64_t max_num_segments, const In &initial_state,   \
+      std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,                     \
+      std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,              \
+      int chunk_size, bool state_v_first, const std::string &path, int num_threads
+#define KDA_FORWARD_PARAMS                                                                                   \
+  forward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, max_num_segments, initial_state, \
+                 scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, \
+                 allow_neg_eigval, chunk_size, state_v_first, path, num_threads)
+
+using ForwardEntry = kda::Status (*)(const kda::ForwardParams&);
+using BackwardEntry = kda::Status (*)(const kda::BackwardParams&);
+
+template <ForwardEntry entry>
+void forward_entry(KDA_FORWARD_ARGS, const Out& o, const Out& final_state, const Out& chunk_states) {
+  kda::ForwardParams p = KDA_FORWARD_PARAMS;
+  p.o = make_view(o, "o");
+  p.final_state = make_view(final_state, "final_state");
+  p.chunk_states = make_view(chunk_states, "chunk_states");
+  call([&] { return entry(p); });
 }
+
+// NC for the chunk_states output. o must be given (the whole forward is validated).
+std::int64_t chunk_count_entry(KDA_FORWARD_ARGS, const Out& o, const Out& final_state, const Out& chunk_states) {
+  kda::ForwardParams p = KDA_FORWARD_PARAMS;
+  p.o = make_view(o, "o");
+  p.final_state = make_view(final_state, "final_state");
+  p.chunk_states = make_view(chunk_states, "chunk_states");
+  std::int64_t nc = 0;
+  call([&] { return kda::forward_chunk_count(p, &nc); });
+  return nc;
+}
+
+template <BackwardEntry entry>
+void backward_entry(KDA_FORWARD_ARGS, const In& chunk_states, const In& d_o, const In& d_final_state,
+                    const Out& dq, const Out& dk, const Out& dv, const Out& dg, const Out& dbeta, const Out& dh0,
+                    const Out& dA_log, const Out& ddt_bias) {
+  kda::BackwardParams p;
+  p.forward = KDA_FORWARD_PARAMS;
+  p.forward.chunk_states = make_view(chunk_states, "chunk_states");
+  p.d_o = make_view(d_o, "d_o");
+  p.d_final_state = make_view(d_final_state, "d_final_state");
+  p.dq = make_view(dq, "dq");
+  p.dk = make_view(dk, "dk");
+  p.dv = make_view(dv, "dv");
+  p.dg = make_view(dg, "dg");
+  p.dbeta = make_view(dbeta, "dbeta");
+  p.dh0 = make_view(dh0, "dh0");
+  p.dA_log = make_view(dA_log, "dA_log");
+  p.ddt_bias = make_view(ddt_bias, "ddt_bias");
+  call([&] { return entry(p); });
+}
+
+#undef KDA_FORWARD_ARGS
+#undef KDA_FORWARD_PARAMS
+
+#define KDA_FORWARD_NB_ARGS                                                                                    \
+  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::kw_only(),                     \
+      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                           \
+      nb::arg("cu_seqlens").none() = nb::none(), nb::arg("segment_ids").none() = nb::none(),                  \
+      nb::arg("max_num_segments") = 0, nb::arg("initial_state").none() = nb::none(),                          \
+      nb::arg("scale").none() = nb::none(), nb::arg("use_qk_l2norm_in_kernel") = false,                       \
+      nb::arg("use_gate_in_kernel") = false, nb::arg("lower_bound").none() = nb::none(),                      \
+      nb::arg("use_beta_sigmoid_in_kernel") = false, nb::arg("allow_neg_eigval") = false,                     \
+      nb::arg("chunk_size") = 64, nb::arg("state_v_first") = false, nb::arg("path") = "fused",                \
+      nb::arg("num_threads") = 0
 
 template <typename Fn>
 void def_forward(nb::module_& m, const char* name, Fn fn, const char* doc) {
-  m.def(name, fn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
-        nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),
-        nb::arg("cu_seqlens").none() = nb::none(), nb::arg("segment_ids").none() = nb::none(),
-        nb::arg("max_num_segments") = 0, nb::arg("initial_state").none() = nb::none(), nb::arg("o"),
-        nb::arg("final_state").none() = nb::none(), nb::arg("scale").none() = nb::none(),
-        nb::arg("use_qk_l2norm_in_kernel") = false, nb::arg("use_gate_in_kernel") = false,
-        nb::arg("lower_bound").none() = nb::none(), nb::arg("use_beta_sigmoid_in_kernel") = false,
-        nb::arg("allow_neg_eigval") = false, nb::arg("chunk_size") = 64, nb::arg("state_v_first") = false,
-        nb::arg("path") = "fused", nb::arg("num_threads") = 0, doc);
+  m.def(name, fn, KDA_FORWARD_NB_ARGS, nb::arg("o"), nb::arg("final_state").none() = nb::none(),
+        nb::arg("chunk_states").none() = nb::none(), doc);
 }
+
+template <typename Fn>
+void def_backward(nb::module_& m, const char* name, Fn fn, const char* doc) {
+  m.def(name, fn, KDA_FORWARD_NB_ARGS, nb::arg("chunk_states").none() = nb::none(), nb::arg("d_o"),
+        nb::arg("d_final_state").none() = nb::none(), nb::arg("dq").none() = nb::none(),
+        nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(), nb::arg("dg").none() = nb::none(),
+        nb::arg("dbeta").none() = nb::none(), nb::arg("dh0").none() = nb::none(),
+        nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), doc);
+}
+
+#undef KDA_FORWARD_NB_ARGS
 
 }  // namespace
 
@@ -149,9 +214,19 @@ NB_MODULE(_libkda, m) {
 
   def_forward(m, "forward", &forward_entry<&kda::chunk_forward>,
               "The chunked forward (kda::chunk_forward). Every tensor is an (array, dtype code) pair; "
-              "o and final_state are written in place. Raises ValueError with the library's message.");
+              "o, final_state and chunk_states (the state entering every chunk) are written in place. Raises ValueError with the library's message.");
   def_forward(m, "reference_forward", &forward_entry<&kda::reference_forward>,
               "The fp64 token-by-token oracle (kda::reference_forward); same arguments as forward.");
+  def_forward(m, "forward_chunk_count", &chunk_count_entry,
+              "NC, the leading dim of the chunk_states output (kda::forward_chunk_count); same arguments "
+              "as forward (which are validated; nothing is written).");
+  def_backward(m, "backward", &backward_entry<&kda::chunk_backward>,
+               "The chunked backward (kda::chunk_backward). Forward inputs and options as in forward; "
+               "chunk_states (the forward's, read) selects the saved-state policy, absent = "
+               "rematerialized. d_o is required, d_final_state optional; the gradients dq, dk, dv, dg, "
+               "dbeta, dh0, dA_log, ddt_bias are each optional outputs written in place.");
+  def_backward(m, "reference_backward", &backward_entry<&kda::reference_backward>,
+               "The fp64 adjoint oracle (kda::reference_backward); same arguments as backward.");
 
   m.def("version", [] { return std::string(kda::version()); }, "Library version, MAJOR.MINOR.PATCH.");
   m.def("cpu_target", [] { return std::string(kda::cpu_target()); },

@@ -42,6 +42,9 @@ struct StateAddressing {
 };
 
 struct Problem {
+  // The initial-state slot of state n: n itself, its pool slot, or -1 (start from zero).
+  std::int64_t initial_slot(std::int64_t n) const { return init_slot.empty() ? n : init_slot[n]; }
+
   std::int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
   std::int64_t group = 1;  // HV / H: value heads per q/k head
   std::int64_t num_states = 0;
@@ -55,6 +58,11 @@ struct Problem {
   int threads = 1;
   StateAddressing init_addr, final_addr, chunk_addr, dh0_addr;
   std::vector<Segment> segments;
+  // With initial_state_indices: the pool slot of each state n (-1: zero initial state).
+  std::vector<std::int64_t> init_slot;
+  // Decode: the pool slot row n reads (-1: padding row) and the slot the state after token t
+  // of row n is written to ([n * T + t], -1: none). Pool addressing in init_addr.
+  std::vector<std::int64_t> decode_read, decode_write;
   // First chunk of each segment in the chunk_states numbering; num_chunks in all.
   std::vector<std::int64_t> chunk_offset;
   std::int64_t num_chunks = 0;
@@ -69,6 +77,9 @@ Status plan_forward(const ForwardParams& params, bool oracle, Problem* problem, 
 
 // Validates a backward call (its forward part included) and builds the plan.
 Status plan_backward(const BackwardParams& params, bool oracle, Problem* problem);
+
+// Validates a decode call: its inputs as a fixed-length forward, the pool, the slot indices.
+Status plan_decode(const DecodeParams& params, Problem* problem);
 
 // Threads to use for `requested` (0 = all cores).
 int resolve_threads(int requested);

@@ -201,6 +201,49 @@ Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Proble
   return {};
 }
 
+// initial_state as a pool [slots, HV, K, V] read through initial_state_indices [N].
+Status plan_initial_slots(const ForwardParams& prm, bool kfirst, bool has_ids, Problem* p) {
+  const TensorView& idx = prm.initial_state_indices;
+  const TensorView& pool = prm.initial_state;
+  KDA_RETURN_IF_ERROR(check_present("initial_state_indices", idx));
+  if (has_ids) {
+    return fail("argument 'initial_state_indices': not supported with segment_ids (use cu_seqlens or a fixed batch)");
+  }
+  if (!pool.defined()) {
+    return fail("argument 'initial_state_indices': given without initial_state (the state pool)");
+  }
+  if (idx.dtype != DType::kI32 && idx.dtype != DType::kI64) {
+    return fail("argument 'initial_state_indices': expected dtype int32 or int64, got ", dtype_name(idx.dtype));
+  }
+  if (idx.ndim != 1 || idx.shape[0] != p->num_states) {
+    return fail("argument 'initial_state_indices': expected shape [N] = [", p->num_states, "], got ", idx.shape_str());
+  }
+  KDA_RETURN_IF_ERROR(check_present("initial_state", pool));
+  const std::int64_t a = kfirst ? p->K : p->V, b = kfirst ? p->V : p->K;
+  if (pool.ndim != 4 || pool.shape[1] != p->HV || pool.shape[2] != a || pool.shape[3] != b) {
+    return fail("argument 'initial_state': expected a state pool of shape [slots, HV, ", kfirst ? "K, V" : "V, K",
+                "] = [slots, ", p->HV, ", ", a, ", ", b, "], got ", pool.shape_str());
+  }
+  KDA_RETURN_IF_ERROR(check_float("initial_state", pool, /*oracle=*/true));
+  p->init_slot.resize(static_cast<std::size_t>(p->num_states));
+  for (std::int64_t n = 0; n < p->num_states; ++n) {
+    const std::int64_t s = load_index(idx, n);
+    if (s >= pool.shape[0]) {
+      return fail("argument 'initial_state_indices': index ", n, " is ", s, ", expected < slots = ", pool.shape[0],
+                  " (negative = zero initial state)");
+    }
+    p->init_slot[n] = s < 0 ? -1 : s;
+  }
+  StateAddressing& ad = p->init_addr;
+  ad.per_row = pool.shape[0] > 0 ? pool.shape[0] : 1;
+  ad.stride_row = 0;
+  ad.stride_slot = pool.strides[0];
+  ad.stride_hv = pool.strides[1];
+  ad.stride_k = kfirst ? pool.strides[2] : pool.strides[3];
+  ad.stride_v = kfirst ? pool.strides[3] : pool.strides[2];
+  return {};
+}
+
 }  // namespace
 
 int resolve_threads(int requested) {
@@ -344,7 +387,9 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
   const bool kfirst = opt.state_layout == StateLayout::kKFirst;
   const std::int64_t per_row = has_ids ? prm.max_num_segments : p.num_states;
   const char* lead = has_cu ? "N" : "B";
-  if (prm.initial_state.defined()) {
+  if (prm.initial_state_indices.defined()) {
+    KDA_RETURN_IF_ERROR(plan_initial_slots(prm, kfirst, has_ids, &p));
+  } else if (prm.initial_state.defined()) {
     KDA_RETURN_IF_ERROR(check_state("initial_state", prm.initial_state, p, per_row, has_ids, lead, kfirst, &p.init_addr));
     // Any float dtype, fp64 included: states are read into fp32 (fp64 in the oracle).
     KDA_RETURN_IF_ERROR(check_float("initial_state", prm.initial_state, /*oracle=*/true));
@@ -389,7 +434,7 @@ Status plan_backward(const BackwardParams& prm, bool oracle, Problem* problem) {
   const std::int64_t per_row = has_ids ? f.max_num_segments : p.num_states;
   const char* lead = f.cu_seqlens.defined() ? "N" : "B";
   KDA_RETURN_IF_ERROR(check_shape("d_o", prm.d_o, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
-  KDA_RETURN_IF_ERROR(check_float("d_o", prm.d_o, oracle));
+  KDA_RETURN_IF_ERROR(check_float("d_o", prm.d_o, /*oracle=*/true));  // any float dtype, fp64 too
   StateAddressing unused;
   if (prm.d_final_state.defined()) {
     KDA_RETURN_IF_ERROR(check_state("d_final_state", prm.d_final_state, p, per_row, has_ids, lead, kfirst, &unused));
@@ -439,6 +484,97 @@ Status plan_backward(const BackwardParams& prm, bool oracle, Problem* problem) {
     }
     KDA_RETURN_IF_ERROR(check_f32("ddt_bias", d));
   }
+  return {};
+}
+
+Status plan_decode(const DecodeParams& prm, Problem* problem) {
+  // Inputs and options as a fixed-length forward of N rows of T tokens.
+  ForwardParams f;
+  f.q = prm.q, f.k = prm.k, f.v = prm.v, f.g = prm.g, f.beta = prm.beta;
+  f.A_log = prm.A_log, f.dt_bias = prm.dt_bias, f.o = prm.o;
+  f.options = prm.options;
+  f.options.chunk_size = 64;
+  f.options.path = Path::kFused;
+  KDA_RETURN_IF_ERROR(plan_forward(f, /*oracle=*/false, problem));
+  Problem& p = *problem;
+  const bool kfirst = prm.options.state_layout == StateLayout::kKFirst;
+  const TensorView& pool = prm.state_pool;
+  KDA_RETURN_IF_ERROR(check_present("state_pool", pool));
+  const std::int64_t a = kfirst ? p.K : p.V, b = kfirst ? p.V : p.K;
+  if (pool.ndim != 4 || pool.shape[1] != p.HV || pool.shape[2] != a || pool.shape[3] != b) {
+    return fail("argument 'state_pool': expected shape [slots, HV, ", kfirst ? "K, V" : "V, K", "] = [slots, ", p.HV,
+                ", ", a, ", ", b, "], got ", pool.shape_str());
+  }
+  if (pool.dtype != DType::kF32) return fail("argument 'state_pool': expected dtype float32, got ", dtype_name(pool.dtype));
+  KDA_RETURN_IF_ERROR(check_writable("state_pool", pool));
+  const std::int64_t slots = pool.shape[0];
+  const TensorView& idx = prm.slot_indices;
+  KDA_RETURN_IF_ERROR(check_present("slot_indices", idx));
+  if (idx.dtype != DType::kI32 && idx.dtype != DType::kI64) {
+    return fail("argument 'slot_indices': expected dtype int32 or int64, got ", dtype_name(idx.dtype));
+  }
+  const bool per_token = idx.ndim == 2;
+  if (!((idx.ndim == 1 && idx.shape[0] == p.B) || (idx.ndim == 2 && idx.shape[0] == p.B && idx.shape[1] == p.T))) {
+    return fail("argument 'slot_indices': expected shape [N] = [", p.B, "] or [N, T] = [", p.B, ", ", p.T, "], got ",
+                idx.shape_str());
+  }
+  auto index_at = [&](std::int64_t n, std::int64_t t) -> std::int64_t {
+    const std::int64_t off = n * idx.strides[0] + (per_token ? t * idx.strides[1] : 0);
+    return idx.dtype == DType::kI64 ? static_cast<const std::int64_t*>(idx.data)[off]
+                                    : static_cast<const std::int32_t*>(idx.data)[off];
+  };
+  const TensorView& acc = prm.num_accepted_tokens;
+  if (acc.defined()) {
+    KDA_RETURN_IF_ERROR(check_present("num_accepted_tokens", acc));
+    if (!per_token) return fail("argument 'num_accepted_tokens': needs slot_indices of shape [N, T], got ", idx.shape_str());
+    if (acc.dtype != DType::kI32 && acc.dtype != DType::kI64) {
+      return fail("argument 'num_accepted_tokens': expected dtype int32 or int64, got ", dtype_name(acc.dtype));
+    }
+    if (acc.ndim != 1 || acc.shape[0] != p.B) {
+      return fail("argument 'num_accepted_tokens': expected shape [N] = [", p.B, "], got ", acc.shape_str());
+    }
+  }
+  p.decode_read.assign(static_cast<std::size_t>(p.B), -1);
+  p.decode_write.assign(static_cast<std::size_t>(p.B * p.T), -1);
+  std::vector<std::int64_t> writer(static_cast<std::size_t>(slots), -1);
+  for (std::int64_t n = 0; n < p.B; ++n) {
+    std::int64_t first = 0;
+    if (acc.defined()) {
+      const std::int64_t a_n = load_index(acc, n);
+      if (a_n < 1 || a_n > p.T) {
+        return fail("argument 'num_accepted_tokens': expected values in [1, T = ", p.T, "], got ", a_n, " at row ", n);
+      }
+      first = a_n - 1;
+    }
+    for (std::int64_t t = 0; t < (per_token ? p.T : 1); ++t) {
+      const std::int64_t s = index_at(n, t);
+      if (s >= slots) {
+        return fail("argument 'slot_indices': expected indices < slots = ", slots, " (negative = padding), got ", s,
+                    " at row ", n, per_token ? ", token " + std::to_string(t) : std::string());
+      }
+    }
+    const std::int64_t read = index_at(n, first);
+    if (read < 0) continue;  // padding row: nothing read, nothing written
+    p.decode_read[n] = read;
+    for (std::int64_t t = 0; t < p.T; ++t) {
+      std::int64_t s = -1;
+      if (per_token) s = index_at(n, t);
+      else if (t == p.T - 1) s = read;
+      if (s < 0) continue;
+      if (writer[s] >= 0 && writer[s] != n) {
+        return fail("argument 'slot_indices': slot ", s, " is written by rows ", writer[s], " and ", n,
+                    "; each slot may belong to one sequence");
+      }
+      writer[s] = n;
+      p.decode_write[n * p.T + t] = s;
+    }
+  }
+  StateAddressing& ad = p.init_addr;
+  ad.per_row = slots > 0 ? slots : 1;
+  ad.stride_slot = pool.strides[0];
+  ad.stride_hv = pool.strides[1];
+  ad.stride_k = kfirst ? pool.strides[2] : pool.strides[3];
+  ad.stride_v = kfirst ? pool.strides[3] : pool.strides[2];
   return {};
 }
 

@@ -18,6 +18,7 @@ struct CpuPlan {
   // occupies ceil(length / C) * C rows, and its first chunk index.
   const std::int64_t* row_offset = nullptr;
   const std::int64_t* chunk_offset = nullptr;
+  const std::int64_t* chunk_segment = nullptr;  // segment of each chunk
   std::int64_t total_rows = 0;
   std::int64_t total_chunks = 0;
 };

@@ -39,7 +39,7 @@ const char* cpu_target() { return target() == CpuTarget::kAvx512 ? "avx512" : "g
 
 // The work order and staged-buffer offsets of a validated problem.
 struct PlanStorage {
-  std::vector<std::int64_t> order, row_offset;
+  std::vector<std::int64_t> order, row_offset, chunk_segment;
   cpu::CpuPlan plan;
 };
 
@@ -54,6 +54,11 @@ Status chunk_forward(const ForwardParams& params) {
   if (target() == CpuTarget::kAvx512) return cpu::avx512::forward(p, params, st.plan);
 #endif
   return cpu::generic::forward(p, params, st.plan);
+}
+
+Status validate_backward(const BackwardParams& params) {
+  detail::Problem p;
+  return detail::plan_backward(params, /*oracle=*/false, &p);
 }
 
 Status chunk_backward(const BackwardParams& params) {
@@ -85,13 +90,20 @@ void build_plan(const detail::Problem& p, PlanStorage& st) {
   plan.num_items = static_cast<std::int64_t>(order.size());
   plan.row_offset = row_offset.data();
   plan.chunk_offset = p.chunk_offset.data();
+  st.chunk_segment.resize(static_cast<std::size_t>(p.num_chunks));
+  for (std::int64_t s = 0; s < nseg; ++s)
+    for (std::int64_t c = p.chunk_offset[s]; c < (s + 1 < nseg ? p.chunk_offset[s + 1] : p.num_chunks); ++c)
+      st.chunk_segment[c] = s;
+  plan.chunk_segment = st.chunk_segment.data();
 }
 
 Status forward_chunk_count(const ForwardParams& params, std::int64_t* num_chunks) {
   detail::Problem p;
   ForwardParams probe = params;
   probe.chunk_states = TensorView{};  // the count is what sizes it
-  KDA_RETURN_IF_ERROR(detail::plan_forward(probe, /*oracle=*/false, &p));
+  // Only the inputs and the sequence description matter: outputs are not validated, and fp64
+  // inputs (the oracle's) are accepted.
+  KDA_RETURN_IF_ERROR(detail::plan_forward(probe, /*oracle=*/true, &p, /*backward=*/true));
   *num_chunks = p.num_chunks;
   return {};
 }
