@@ -27,6 +27,7 @@ struct CpuPlan {
   namespace ns {                                                                            \
   Status forward(const detail::Problem& problem, const ForwardParams& params, const CpuPlan& plan); \
   Status backward(const detail::Problem& problem, const BackwardParams& params, const CpuPlan& plan); \
+  Status decode(const detail::Problem& problem, const DecodeParams& params);                          \
   }
 
 KDA_DECLARE_CPU_TARGET(avx512)

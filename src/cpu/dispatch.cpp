@@ -56,6 +56,15 @@ Status chunk_forward(const ForwardParams& params) {
   return cpu::generic::forward(p, params, st.plan);
 }
 
+Status decode(const DecodeParams& params) {
+  detail::Problem p;
+  KDA_RETURN_IF_ERROR(detail::plan_decode(params, &p));
+#if defined(KDA_HAVE_AVX512_TARGET)
+  if (target() == CpuTarget::kAvx512) return cpu::avx512::decode(p, params);
+#endif
+  return cpu::generic::decode(p, params);
+}
+
 Status validate_backward(const BackwardParams& params) {
   detail::Problem p;
   return detail::plan_backward(params, /*oracle=*/false, &p);

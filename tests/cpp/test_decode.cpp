@@ -1,0 +1,369 @@
+// Decode against a state pool and the inference forward's pooled initial states (SPEC.md
+// section 3): against the fp64 oracle, against prefill, and the pool's exact contracts
+// (untouched slots, padding rows, errors that write nothing).
+#include <limits>
+
+#include "test_util.hpp"
+
+namespace kda::test {
+namespace {
+
+constexpr double kPoison = 0x1p100;  // exact in fp32; untouched pool slots must keep exactly this
+
+struct DecodeCase {
+  Case c;  // B = N rows, T tokens per row, heads, dtype, options
+  std::int64_t slots = 8;
+  std::vector<std::int64_t> idx;       // [N] or [N, T]
+  std::vector<std::int64_t> accepted;  // [N] or empty
+};
+
+struct DecodeData {
+  Inputs in;
+  HostTensor pool;  // [slots, HV, K, V] or V-first
+};
+
+DecodeData make_decode_data(const DecodeCase& dc) {
+  DecodeData d;
+  d.in = make_inputs(dc.c);
+  const Case& c = dc.c;
+  d.pool = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {dc.slots, c.HV, c.K, c.V})
+                                            : HostTensor(DType::kF32, {dc.slots, c.HV, c.V, c.K});
+  std::mt19937 rng(c.seed + 5);
+  std::normal_distribution<double> normal(0.0, 0.5);
+  const std::int64_t slot = c.HV * c.K * c.V;
+  for (std::int64_t s = 0; s < dc.slots; ++s)
+    for (std::int64_t i = 0; i < slot; ++i) d.pool.set(s * slot + i, normal(rng));
+  return d;
+}
+
+DecodeParams decode_params(const DecodeCase& dc, DecodeData& d, HostTensor& o, HostTensor& idx, HostTensor& acc) {
+  const Case& c = dc.c;
+  HostTensor ht;
+  ForwardParams f = make_params(c, d.in, o, ht);
+  DecodeParams p;
+  p.q = f.q, p.k = f.k, p.v = f.v, p.g = f.g, p.beta = f.beta, p.A_log = f.A_log, p.dt_bias = f.dt_bias;
+  p.o = o.view;
+  p.options = f.options;
+  p.state_pool = d.pool.view;
+  const bool per_token = static_cast<std::int64_t>(dc.idx.size()) == c.B * c.T && c.T > 1;
+  idx = per_token ? HostTensor(DType::kI64, {c.B, c.T}) : HostTensor(DType::kI32, {c.B});
+  for (std::size_t i = 0; i < dc.idx.size(); ++i) idx.set(static_cast<std::int64_t>(i), static_cast<double>(dc.idx[i]));
+  p.slot_indices = idx.view;
+  if (!dc.accepted.empty()) {
+    acc = HostTensor(DType::kI32, {c.B});
+    for (std::size_t i = 0; i < dc.accepted.size(); ++i) acc.set(static_cast<std::int64_t>(i), static_cast<double>(dc.accepted[i]));
+    p.num_accepted_tokens = acc.view;
+  }
+  return p;
+}
+
+// The expected o [N, T, HV, V] and pool after the decode, from the fp64 oracle run on each row.
+struct Expected {
+  std::vector<double> o, pool;
+};
+
+Expected oracle_decode(const DecodeCase& dc, const DecodeData& d) {
+  const Case& c = dc.c;
+  Expected e;
+  e.o.assign(static_cast<std::size_t>(c.B * c.T * c.HV * c.V), 0.0);
+  e.pool = d.pool.to_double();
+  const std::vector<double> pool0 = e.pool;
+  const std::int64_t slot = c.HV * c.K * c.V;
+  const bool per_token = static_cast<std::int64_t>(dc.idx.size()) == c.B * c.T && c.T > 1;
+  for (std::int64_t n = 0; n < c.B; ++n) {
+    const std::int64_t first = dc.accepted.empty() ? 0 : dc.accepted[n] - 1;
+    const std::int64_t read = per_token ? dc.idx[n * c.T + first] : dc.idx[n];
+    if (read < 0) continue;
+    // One row as a fixed-length sequence, chunk size 1: chunk_states[t] is the state before token t.
+    Case one = c;
+    one.B = 1;
+    one.chunk = 1;
+    one.initial_state = true;
+    one.final_state = true;
+    Inputs row = slice_sequence(c, d.in, n, 0, c.T, 0);
+    row.h0 = one.layout == StateLayout::kKFirst ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V})
+                                                : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
+    for (std::int64_t i = 0; i < slot; ++i) row.h0.set(i, pool0[read * slot + i]);
+    HostTensor o(DType::kF64, {1, c.T, c.HV, c.V});
+    HostTensor ht = one.layout == StateLayout::kKFirst ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V})
+                                                       : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
+    HostTensor states = one.layout == StateLayout::kKFirst ? HostTensor(DType::kF64, {c.T, c.HV, c.K, c.V})
+                                                           : HostTensor(DType::kF64, {c.T, c.HV, c.V, c.K});
+    ForwardParams f = make_params(one, row, o, ht);
+    f.chunk_states = states.view;
+    const Status s = reference_forward(f);
+    EXPECT_TRUE(s.ok()) << s.message();
+    for (std::int64_t i = 0; i < c.T * c.HV * c.V; ++i) e.o[n * c.T * c.HV * c.V + i] = o.get(i);
+    for (std::int64_t t = 0; t < c.T; ++t) {
+      std::int64_t w = -1;
+      if (per_token) w = dc.idx[n * c.T + t];
+      else if (t == c.T - 1) w = read;
+      if (w < 0) continue;
+      for (std::int64_t i = 0; i < slot; ++i)
+        e.pool[w * slot + i] = t + 1 < c.T ? states.get((t + 1) * slot + i) : ht.get(i);
+    }
+  }
+  return e;
+}
+
+void expect_decode_matches_oracle(const DecodeCase& dc) {
+  DecodeData d = make_decode_data(dc);
+  const Expected e = oracle_decode(dc, d);
+  HostTensor o(dc.c.dtype, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
+  o.fill(12345.0);
+  const DecodeParams p = decode_params(dc, d, o, idx, acc);
+  const Status s = decode(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  const double bound = forward_bound(dc.c.dtype);
+  const Metric mo = compare(o.to_double(), e.o);
+  EXPECT_TRUE(mo.finite && mo.rel <= bound) << "o: " << mo.str() << "\n" << dc.c.describe();
+  const Metric mp = compare(d.pool.to_double(), e.pool);
+  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str() << "\n" << dc.c.describe();
+}
+
+struct DecodeOptionCase {
+  const char* name;
+  DType dtype;
+  Gate gate;
+  bool l2norm, beta_sigmoid, neg_eig;
+  StateLayout layout;
+  std::int64_t H, HV, K, V;
+};
+
+const DecodeOptionCase kDecodeOptions[] = {
+    {"logdecay_f32", DType::kF32, Gate::kLogDecay, true, false, false, StateLayout::kKFirst, 2, 2, 32, 32},
+    {"softplus_grouped_vfirst", DType::kF32, Gate::kSoftplus, true, false, false, StateLayout::kVFirst, 2, 4, 48, 24},
+    {"lowerbound_beta_sigmoid", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kKFirst, 1, 2, 60, 100},
+    {"no_l2norm_bf16", DType::kBF16, Gate::kLogDecay, false, false, false, StateLayout::kVFirst, 1, 1, 128, 128},
+    {"f16_softplus", DType::kF16, Gate::kSoftplus, true, true, false, StateLayout::kKFirst, 2, 2, 16, 64},
+};
+
+class DecodeOptions : public ::testing::TestWithParam<DecodeOptionCase> {};
+
+TEST_P(DecodeOptions, SingleTokenMatchesOracle) {
+  const DecodeOptionCase& oc = GetParam();
+  DecodeCase dc;
+  dc.c.B = 4, dc.c.T = 1, dc.c.H = oc.H, dc.c.HV = oc.HV, dc.c.K = oc.K, dc.c.V = oc.V;
+  dc.c.dtype = oc.dtype, dc.c.gate = oc.gate, dc.c.l2norm = oc.l2norm, dc.c.beta_sigmoid = oc.beta_sigmoid;
+  dc.c.neg_eigval = oc.neg_eig, dc.c.layout = oc.layout;
+  dc.idx = {5, 0, -1, 2};  // row 2 is padding
+  expect_decode_matches_oracle(dc);
+}
+
+TEST_P(DecodeOptions, DraftTokensWithPerTokenSlotsMatchOracle) {
+  const DecodeOptionCase& oc = GetParam();
+  DecodeCase dc;
+  dc.c.B = 3, dc.c.T = 4, dc.c.H = oc.H, dc.c.HV = oc.HV, dc.c.K = oc.K, dc.c.V = oc.V;
+  dc.c.dtype = oc.dtype, dc.c.gate = oc.gate, dc.c.l2norm = oc.l2norm, dc.c.beta_sigmoid = oc.beta_sigmoid;
+  dc.c.neg_eigval = oc.neg_eig, dc.c.layout = oc.layout;
+  dc.slots = 16;
+  dc.idx = {1, 2, 3, 4,  //
+            5, 6, -1, 7,  // token 2's state is not kept
+            8, 9, 10, 11};
+  dc.accepted = {1, 2, 4};  // row 1 reads slot 6, row 2 reads slot 11
+  expect_decode_matches_oracle(dc);
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeOptions, ::testing::ValuesIn(kDecodeOptions),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Decoding T tokens one call at a time equals one prefill of T tokens, and the prefill's final
+// state decodes correctly in both layouts.
+class PrefillThenDecode : public ::testing::TestWithParam<StateLayout> {};
+
+TEST_P(PrefillThenDecode, TokenByTokenEqualsPrefillAndContinuesIt) {
+  Case c;
+  c.B = 2, c.T = 70, c.H = 1, c.HV = 2, c.K = 32, c.V = 24;
+  c.gate = Gate::kLowerBound;
+  c.layout = GetParam();
+  c.initial_state = false;
+  c.final_state = true;
+  const Inputs in = make_inputs(c);
+  const Outputs prefill = run_forward(c, in, false);
+  // Token-by-token decode of the same 70 tokens from zero states in slots 3 and 1.
+  const std::int64_t slot = c.HV * c.K * c.V;
+  HostTensor pool = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {4, c.HV, c.K, c.V})
+                                                     : HostTensor(DType::kF32, {4, c.HV, c.V, c.K});
+  pool.fill(0.0);
+  std::vector<double> o_dec(prefill.o.size());
+  for (std::int64_t t = 0; t < c.T; ++t) {
+    Case one = c;
+    one.T = 1;
+    Inputs step = in;
+    for (HostTensor* x : {&step.q, &step.k, &step.v, &step.g, &step.beta}) {
+      const std::int64_t row = x->numel() / (c.B * c.T);
+      HostTensor y(x->view.dtype, {c.B, 1, row});
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t i = 0; i < row; ++i) y.set(b * row + i, x->get((b * c.T + t) * row + i));
+      y.view = x->view;
+      y.view.data = y.bytes.data();
+      y.view.shape[1] = 1;
+      y.view.strides[0] = row;
+      *x = y;
+    }
+    HostTensor o(c.dtype, {c.B, 1, c.HV, c.V}), ht, idx(DType::kI32, {c.B}), acc;
+    idx.set(0, 3);
+    idx.set(1, 1);
+    ForwardParams f = make_params(one, step, o, ht);
+    DecodeParams p;
+    p.q = f.q, p.k = f.k, p.v = f.v, p.g = f.g, p.beta = f.beta, p.A_log = f.A_log, p.dt_bias = f.dt_bias;
+    p.o = o.view, p.options = f.options, p.state_pool = pool.view, p.slot_indices = idx.view;
+    const Status s = decode(p);
+    ASSERT_TRUE(s.ok()) << s.message();
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t i = 0; i < c.HV * c.V; ++i)
+        o_dec[(b * c.T + t) * c.HV * c.V + i] = o.get(b * c.HV * c.V + i);
+  }
+  const Metric mo = compare(o_dec, prefill.o);
+  EXPECT_TRUE(mo.rel <= 1e-5) << "decode vs prefill o: " << mo.str();
+  const auto p = pool.to_double();
+  std::vector<double> dec_states(p.begin() + 3 * slot, p.begin() + 4 * slot);
+  dec_states.insert(dec_states.end(), p.begin() + slot, p.begin() + 2 * slot);
+  const Metric ms = compare(dec_states, prefill.ht);
+  EXPECT_TRUE(ms.rel <= 1e-5) << "decode vs prefill final states: " << ms.str();
+
+  // The prefill's final states, as a pool in the same layout, continue correctly.
+  DecodeCase dc;
+  dc.c = c;
+  dc.c.T = 1;
+  dc.c.seed = 77;
+  dc.slots = 2;
+  dc.idx = {1, 0};
+  DecodeData d = make_decode_data(dc);
+  for (std::int64_t i = 0; i < 2 * slot; ++i) d.pool.set(i, prefill.ht[i]);
+  const Expected e = oracle_decode(dc, d);
+  HostTensor o(c.dtype, {c.B, 1, c.HV, c.V}), idx, acc;
+  const DecodeParams dp = decode_params(dc, d, o, idx, acc);
+  ASSERT_TRUE(decode(dp).ok());
+  EXPECT_LE(compare(o.to_double(), e.o).rel, 1e-5);
+  EXPECT_LE(compare(d.pool.to_double(), e.pool).rel, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, PrefillThenDecode, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
+                         [](const auto& info) { return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst"); });
+
+TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
+  DecodeCase dc;
+  dc.c.B = 3, dc.c.T = 2, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 16, dc.c.V = 16;
+  dc.slots = 10;
+  dc.idx = {4, -1, 6, 2, -1, -1};  // row 0 keeps only token 0's state; row 2 is padding
+  DecodeData d = make_decode_data(dc);
+  const std::int64_t slot = dc.c.HV * dc.c.K * dc.c.V;
+  for (std::int64_t s : {0, 1, 3, 5, 7, 8, 9})  // every slot no row writes
+    for (std::int64_t i = 0; i < slot; ++i) d.pool.set(s * slot + i, kPoison);
+  const std::vector<double> before = d.pool.to_double();
+  HostTensor o(DType::kF32, {3, 2, 2, 16}), idx, acc;
+  o.fill(12345.0);
+  const DecodeParams p = decode_params(dc, d, o, idx, acc);
+  ASSERT_TRUE(decode(p).ok());
+  const std::vector<double> after = d.pool.to_double();
+  for (std::int64_t s : {0, 1, 3, 5, 7, 8, 9})
+    for (std::int64_t i = 0; i < slot; ++i) ASSERT_EQ(after[s * slot + i], kPoison) << "slot " << s;
+  for (std::int64_t i = 0; i < 2 * 2 * 16; ++i) ASSERT_EQ(o.get(2 * 2 * 2 * 16 + i), 0.0) << "padding row o";
+  EXPECT_NE(after[6 * slot], before[6 * slot]) << "row 1 writes slot 6 after token 0";
+}
+
+struct DecodeError {
+  const char* name;
+  std::vector<std::int64_t> idx;
+  std::vector<std::int64_t> accepted;
+  std::int64_t T;
+  std::vector<std::string> message_has;
+};
+
+void PrintTo(const DecodeError& e, std::ostream* os) { *os << e.name; }
+
+class DecodeErrors : public ::testing::TestWithParam<DecodeError> {};
+
+TEST_P(DecodeErrors, NamesTheArgumentAndWritesNothing) {
+  const DecodeError& de = GetParam();
+  DecodeCase dc;
+  dc.c.B = 3, dc.c.T = de.T, dc.c.H = 1, dc.c.HV = 1, dc.c.K = 16, dc.c.V = 16;
+  dc.slots = 6;
+  dc.idx = de.idx;
+  dc.accepted = de.accepted;
+  DecodeData d = make_decode_data(dc);
+  const std::vector<double> before = d.pool.to_double();
+  HostTensor o(DType::kF32, {3, de.T, 1, 16}), idx, acc;
+  o.fill(7.0);
+  const DecodeParams p = decode_params(dc, d, o, idx, acc);
+  const Status s = decode(p);
+  ASSERT_FALSE(s.ok());
+  for (const auto& sub : de.message_has)
+    EXPECT_NE(s.message().find(sub), std::string::npos) << "message lacks '" << sub << "': " << s.message();
+  EXPECT_EQ(d.pool.to_double(), before) << "the pool was written on error";
+  for (double x : o.to_double()) ASSERT_EQ(x, 7.0) << "o was written on error";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Decode, DecodeErrors,
+    ::testing::Values(DecodeError{"slot_out_of_range", {1, 6, 2}, {}, 1, {"'slot_indices'", "< slots = 6", "got 6", "row 1"}},
+                      DecodeError{"duplicate_writer", {1, 3, 1}, {}, 1, {"'slot_indices'", "slot 1", "rows 0 and 2"}},
+                      DecodeError{"duplicate_writer_per_token", {0, 1, 2, 1, 4, 5}, {}, 2, {"slot 1", "rows 0 and 1"}},
+                      DecodeError{"accepted_out_of_range", {0, 1, 2, 3, 4, 5}, {1, 3, 1}, 2,
+                                  {"'num_accepted_tokens'", "[1, T = 2]", "got 3"}},
+                      DecodeError{"accepted_zero", {0, 1, 2, 3, 4, 5}, {1, 0, 1}, 2, {"'num_accepted_tokens'", "got 0"}},
+                      DecodeError{"late_slot_out_of_range", {0, 1, 2, 3, 4, 9}, {}, 2, {"got 9", "row 2, token 1"}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(DecodeErrorsShape, PoolShapeAndDtype) {
+  DecodeCase dc;
+  dc.c.B = 2, dc.c.T = 1, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 16, dc.c.V = 8;
+  dc.idx = {0, 1};
+  DecodeData d = make_decode_data(dc);
+  HostTensor o(DType::kF32, {2, 1, 2, 8}), idx, acc;
+  DecodeParams p = decode_params(dc, d, o, idx, acc);
+  p.options.state_layout = StateLayout::kVFirst;  // the pool is K-first
+  Status s = decode(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'state_pool'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("[slots, HV, V, K]"), std::string::npos) << s.message();
+  p = decode_params(dc, d, o, idx, acc);
+  p.state_pool.dtype = DType::kBF16;
+  s = decode(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("float32"), std::string::npos) << s.message();
+}
+
+// The inference forward reads initial states from a pool by slot index, in place: the same
+// result bitwise as the gathered states; a negative index means a zero state.
+TEST(InferencePool, PooledInitialStatesEqualGatheredOnes) {
+  Case c;
+  c.cu_seqlens = {0, 20, 20, 90, 200};
+  c.T = 200, c.H = 1, c.HV = 2, c.K = 32, c.V = 32;
+  c.initial_state = true;
+  c.gate = Gate::kSoftplus;
+  for (StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
+    c.layout = layout;
+    Inputs in = make_inputs(c);
+    const std::int64_t slot = c.HV * c.K * c.V;
+    const std::int64_t slots[] = {5, 0, -1, 2};
+    HostTensor pool = layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {6, c.HV, c.K, c.V})
+                                                     : HostTensor(DType::kF32, {6, c.HV, c.V, c.K});
+    pool.fill(kPoison);
+    for (int n = 0; n < 4; ++n)
+      if (slots[n] >= 0)
+        for (std::int64_t i = 0; i < slot; ++i) pool.set(slots[n] * slot + i, in.h0.get(n * slot + i));
+    for (std::int64_t i = 0; i < slot; ++i) in.h0.set(2 * slot + i, 0.0);  // slot -1: zero state
+    const Outputs gathered = run_forward(c, in, false);
+    HostTensor o(c.dtype, {1, c.T, c.HV, c.V});
+    HostTensor ht = layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {4, c.HV, c.K, c.V})
+                                                   : HostTensor(DType::kF32, {4, c.HV, c.V, c.K});
+    HostTensor idx(DType::kI64, {4});
+    for (int n = 0; n < 4; ++n) idx.set(n, static_cast<double>(slots[n]));
+    ForwardParams p = make_params(c, in, o, ht);
+    p.initial_state = pool.view;
+    p.initial_state_indices = idx.view;
+    const Status s = chunk_forward(p);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(o.to_double(), gathered.o);
+    EXPECT_EQ(ht.to_double(), gathered.ht);
+    idx.set(3, 6);
+    const Status bad = chunk_forward(p);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.message().find("'initial_state_indices'"), std::string::npos) << bad.message();
+  }
+}
+
+}  // namespace
+}  // namespace kda::test
