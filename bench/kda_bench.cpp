@@ -1,7 +1,8 @@
 // kda-bench: median latency and measured peak memory of the libkda paths on the SPEC.md
 // section 5 workloads, each next to its baseline in the same run.
 //
-//   kda-bench [--suite forward|forward-packed|backward|backward-packed|all] [--baseline] [--heads H] [--tokens T]
+//   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|all]
+//             [--baseline] [--heads H] [--tokens T] [--batch N]
 //             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
 //
@@ -22,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <omp.h>
+
 #include "kda/kda.hpp"
 
 namespace {
@@ -30,6 +33,8 @@ struct Config {
   std::string suite = "all";
   bool baseline = false;
   std::int64_t heads = 32, tokens = 8192, segments = 25, K = 128, V = 128;
+  bool heads_set = false, tokens_set = false;  // inference/decode use their own SPEC.md 5 defaults
+  std::int64_t batch = 0;                      // decode: 0 = the batches 1, 16, 64, 256
   std::string dtype = "bf16";
   int chunk = 64;
   int threads = 0;
@@ -40,7 +45,8 @@ struct Config {
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "kda-bench: %s\n"
-               "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|all] [--baseline] [--heads H] [--tokens T]\n"
+               "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|all]\n"
+               "                 [--baseline] [--heads H] [--tokens T] [--batch N (decode)]\n"
                "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]\n"
                "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
                msg);
@@ -64,8 +70,9 @@ Config parse(int argc, char** argv) {
     };
     if (a == "--suite") c.suite = next();
     else if (a == "--baseline") c.baseline = true;
-    else if (a == "--heads") c.heads = num();
-    else if (a == "--tokens") c.tokens = num();
+    else if (a == "--heads") c.heads = num(), c.heads_set = true;
+    else if (a == "--tokens") c.tokens = num(), c.tokens_set = true;
+    else if (a == "--batch") c.batch = num();
     else if (a == "--segments") c.segments = num();
     else if (a == "--K") c.K = num();
     else if (a == "--V") c.V = num();
@@ -78,9 +85,9 @@ Config parse(int argc, char** argv) {
     else if (a == "--help" || a == "-h") usage("help");
     else usage(("unknown flag " + a).c_str());
   }
-  if (c.suite != "all" && c.suite != "forward" && c.suite != "forward-packed" && c.suite != "backward" &&
-      c.suite != "backward-packed") {
-    usage(("unknown suite " + c.suite + " (forward, forward-packed, backward, backward-packed, all)").c_str());
+  const std::string known[] = {"all", "forward", "forward-packed", "backward", "backward-packed", "inference", "decode"};
+  if (std::find(std::begin(known), std::end(known), c.suite) == std::end(known)) {
+    usage(("unknown suite " + c.suite + " (forward, forward-packed, backward, backward-packed, inference, decode, all)").c_str());
   }
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32") usage(("unknown dtype " + c.dtype).c_str());
   if (c.iters < 1) usage("--iters must be >= 1");
@@ -144,6 +151,7 @@ struct Record {
   std::int64_t peak_bytes = 0, extra_bytes = 0;
   std::int64_t residual_bytes = 0;  // kept between forward and backward (training suites)
   double gflops = 0;
+  double gbps = 0, pct_of_limit = 0;  // decode: state bytes moved per second, % of measured bandwidth
   double speedup = 0;  // over the baseline in the same run, 0 if none
 };
 
@@ -320,7 +328,8 @@ void write_json(const Config& cfg, const std::vector<Record>& recs) {
     f << "  {\"suite\": \"" << r.suite << "\", \"path\": \"" << r.path << "\", \"shape\": \"" << r.shape
       << "\", \"dtype\": \"" << r.dtype << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
       << ", \"max_ms\": " << r.max_ms << ", \"peak_bytes\": " << r.peak_bytes << ", \"extra_bytes\": " << r.extra_bytes
-      << ", \"residual_bytes\": " << r.residual_bytes << ", \"gflops\": " << r.gflops << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
+      << ", \"residual_bytes\": " << r.residual_bytes << ", \"gflops\": " << r.gflops << ", \"gbps\": " << r.gbps
+      << ", \"pct_of_limit\": " << r.pct_of_limit << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
       << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters << "}"
       << (i + 1 < recs.size() ? "," : "") << "\n";
   }
@@ -393,6 +402,144 @@ std::vector<Record> backward_suite(const Config& cfg, const std::string& suite) 
   return recs;
 }
 
+// Streaming bandwidth of this machine with all threads: read + write bytes of a large copy.
+double measure_bandwidth_gbps(int threads) {
+  const std::int64_t n = 64ll << 20;  // 256 MB per array
+  Tensor a(kda::DType::kF32, {n}), b(kda::DType::kF32, {n});
+  float* pa = static_cast<float*>(a.buf.get());
+  float* pb = static_cast<float*>(b.buf.get());
+  const int nt = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) pa[i] = static_cast<float>(i & 1023), pb[i] = 0.0f;
+  std::vector<double> times;
+  for (int it = 0; it < 5; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) pb[i] = pa[i] * 1.0001f;
+    const auto t1 = std::chrono::steady_clock::now();
+    times.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  return 2.0 * n * sizeof(float) / median(times) / 1e9;
+}
+
+// Inference (SPEC.md 5): B=1, H=8, T=512 and 8192 with two segments split off a 64-token edge,
+// and the serving mix of 512 segments averaging 16 tokens; inference (no residual) against the
+// training forward (which writes every chunk's state for the backward).
+std::vector<Record> inference_suite(const Config& cfg) {
+  std::vector<Record> recs;
+  struct Shape {
+    std::int64_t T;
+    std::vector<std::int64_t> cu;
+    std::string name;
+  };
+  std::vector<Shape> shapes;
+  const std::vector<std::int64_t> Ts = cfg.tokens_set ? std::vector<std::int64_t>{cfg.tokens} : std::vector<std::int64_t>{512, 8192};
+  for (std::int64_t T : Ts) {
+    const std::int64_t cut = T / 2 - 13;  // not a multiple of 64 (or 8)
+    shapes.push_back({T, {0, cut, T}, "B=1 T=" + std::to_string(T) + " N=2"});
+  }
+  {
+    // 512 segments of 1..31 tokens (mean 16), deterministic.
+    std::vector<std::int64_t> cu{0};
+    std::uint64_t x = 12345;
+    for (int i = 0; i < 512; ++i) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      cu.push_back(cu.back() + 1 + static_cast<std::int64_t>((x >> 33) % 31));
+    }
+    shapes.push_back({cu.back(), cu, "B=1 T=" + std::to_string(cu.back()) + " N=512 (mean 16)"});
+  }
+  const std::int64_t H = cfg.heads_set ? cfg.heads : 8;
+  for (const Shape& sh : shapes) {
+    Workload w;
+    w.T = sh.T, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype), w.cu = sh.cu;
+    w.shape = sh.name + " H=" + std::to_string(H) + " K=" + std::to_string(w.K) + " V=" + std::to_string(w.V);
+    Problem pb(cfg, w, false);
+    pb.fwd.options.path = kda::Path::kFused;
+    // Inputs + outputs + states: what the inference path may not exceed by more than scratch.
+    const std::int64_t io_bytes = kda::memory_stats().current_bytes;
+    progress("inference", "inference", w);
+    Record inf = measure(cfg, w, "inference", "inference", [&] {
+      check(kda::chunk_forward(pb.fwd));
+      return std::int64_t{0};
+    });
+    progress("inference", "training-forward", w);
+    Record train = measure(cfg, w, "inference", "training-forward", [&] {
+      kda::ForwardParams fwd = pb.fwd;
+      std::int64_t nc = 0;
+      check(kda::forward_chunk_count(fwd, &nc));
+      Tensor states(kda::DType::kF32, {nc, w.HV, w.K, w.V});
+      fwd.chunk_states = states.view;
+      check(kda::chunk_forward(fwd));
+      return static_cast<std::int64_t>(states.view.numel() * 4);
+    });
+    for (Record* r : {&inf, &train}) {
+      r->gflops = forward_flops(cfg, w) / (r->median_ms * 1e-3) / 1e9;
+      r->extra_bytes = r->peak_bytes - io_bytes;
+    }
+    inf.speedup = train.median_ms / inf.median_ms;
+    train.speedup = 1.0;
+    recs.push_back(inf);
+    recs.push_back(train);
+  }
+  return recs;
+}
+
+// Decode (SPEC.md 5): one token for each of N sequences, H=32, K=V=128, against the pool;
+// baseline: the fp64 token-by-token oracle on the same rows. GB/s counts the state bytes read
+// and written per step; the limit is this machine's measured copy bandwidth.
+std::vector<Record> decode_suite(const Config& cfg, double bandwidth_gbps) {
+  std::vector<Record> recs;
+  const std::vector<std::int64_t> batches =
+      cfg.batch > 0 ? std::vector<std::int64_t>{cfg.batch} : std::vector<std::int64_t>{1, 16, 64, 256};
+  const std::int64_t H = cfg.heads_set ? cfg.heads : 32;
+  for (std::int64_t N : batches) {
+    Workload w;
+    w.B = N, w.T = 1, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype);
+    w.shape = "N=" + std::to_string(N) + " T=1 H=" + std::to_string(H) + " K=" + std::to_string(w.K) +
+              " V=" + std::to_string(w.V);
+    Problem pb(cfg, w, false);
+    const std::int64_t slots = N;
+    Tensor pool(kda::DType::kF32, {slots, w.HV, w.K, w.V}), idx(kda::DType::kI64, {N});
+    fill(pool, -0.1f, 0.1f, 11);
+    for (std::int64_t n = 0; n < N; ++n) static_cast<std::int64_t*>(idx.buf.get())[n] = (n * 7) % N;  // a permutation when N % 7 != 0
+    if (N % 7 == 0)
+      for (std::int64_t n = 0; n < N; ++n) static_cast<std::int64_t*>(idx.buf.get())[n] = n;
+    kda::DecodeParams dp;
+    dp.q = pb.fwd.q, dp.k = pb.fwd.k, dp.v = pb.fwd.v, dp.g = pb.fwd.g, dp.beta = pb.fwd.beta;
+    dp.A_log = pb.fwd.A_log, dp.dt_bias = pb.fwd.dt_bias, dp.o = pb.fwd.o, dp.options = pb.fwd.options;
+    dp.state_pool = pool.view, dp.slot_indices = idx.view;
+    const double state_bytes = 2.0 * N * w.HV * w.K * w.V * 4;
+    progress("decode", "decode", w);
+    Record dec = measure(cfg, w, "decode", "decode", [&] {
+      check(kda::decode(dp));
+      return std::int64_t{0};
+    });
+    Record base;
+    if (cfg.baseline) {
+      progress("decode", "oracle-loop", w);
+      kda::ForwardParams f = pb.fwd;
+      f.initial_state = pool.view;
+      f.final_state = pool.view;  // read then written per (row, head) by the same item
+      base = measure(cfg, w, "decode", "oracle-loop", [&] {
+        check(kda::reference_forward(f));
+        return std::int64_t{0};
+      });
+    }
+    for (Record* r : {&dec, &base}) {
+      if (r->median_ms <= 0) continue;
+      r->gbps = state_bytes / (r->median_ms * 1e-3) / 1e9;
+      r->pct_of_limit = 100.0 * r->gbps / bandwidth_gbps;
+    }
+    recs.push_back(dec);
+    if (cfg.baseline) {
+      recs.back().speedup = base.median_ms / dec.median_ms;
+      base.speedup = 1.0;
+      recs.push_back(base);
+    }
+  }
+  return recs;
+}
+
 const Record* find(const std::vector<Record>& recs, const std::string& suite, const std::string& path) {
   for (const Record& r : recs)
     if (r.suite == suite && r.path == path) return &r;
@@ -402,28 +549,47 @@ const Record* find(const std::vector<Record>& recs, const std::string& suite, co
 int main(int argc, char** argv) {
   const Config cfg = parse(argc, argv);
   std::vector<std::string> suites;
-  if (cfg.suite == "all") suites = {"forward", "forward-packed", "backward", "backward-packed"};
+  if (cfg.suite == "all") suites = {"forward", "forward-packed", "backward", "backward-packed", "inference", "decode"};
   else suites = {cfg.suite};
 
   std::printf("kda-bench %s, cpu target %s, threads %s, %d iterations after %d warm-up\n", kda::version(),
               kda::cpu_target(), cfg.threads ? std::to_string(cfg.threads).c_str() : "all", cfg.iters, cfg.warmup);
+  double bandwidth = 0;
+  if (std::find(suites.begin(), suites.end(), "decode") != suites.end()) {
+    bandwidth = measure_bandwidth_gbps(cfg.threads);
+    std::printf("measured memory bandwidth (copy, read + write, all threads): %.1f GB/s\n", bandwidth);
+  }
   std::vector<Record> recs;
   for (const std::string& suite : suites) {
-    const bool training = suite == "backward" || suite == "backward-packed";
-    const std::vector<Record> r = training ? backward_suite(cfg, suite) : forward_suite(cfg, suite);
+    std::vector<Record> r;
+    if (suite == "backward" || suite == "backward-packed") r = backward_suite(cfg, suite);
+    else if (suite == "inference") r = inference_suite(cfg);
+    else if (suite == "decode") r = decode_suite(cfg, bandwidth);
+    else r = forward_suite(cfg, suite);
     recs.insert(recs.end(), r.begin(), r.end());
   }
 
-  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s | peak MB | extra MB | residual MB | speed-up vs staged |\n");
+  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s | peak MB | extra MB | residual MB | speed-up vs baseline |\n");
   std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Record& r : recs) {
     char sp[32] = "-";
     if (r.speedup > 0) std::snprintf(sp, sizeof sp, "%.2fx", r.speedup);
-    std::printf("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s | %s |\n", r.suite.c_str(),
-                r.path.c_str(), r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, r.gflops,
+    char rate[48];
+    if (r.gbps > 0) std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, r.pct_of_limit);
+    else std::snprintf(rate, sizeof rate, "%.1f", r.gflops);
+    std::printf("| %s | %s | %s | %s | %.2f | %.2f | %.2f | %s | %s | %s | %s | %s |\n", r.suite.c_str(),
+                r.path.c_str(), r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, rate,
                 mb(r.peak_bytes).c_str(), mb(r.extra_bytes).c_str(), mb(r.residual_bytes).c_str(), sp);
   }
   std::printf("\n");
+  for (const Record& r : recs) {
+    if (r.suite == "inference" && r.path == "inference")
+      std::printf("inference %s: %.2fx the training forward's latency; peak = inputs + outputs + states + %s MB\n",
+                  r.shape.c_str(), 1.0 / r.speedup, mb(r.extra_bytes).c_str());
+    if (r.suite == "decode" && r.path == "decode")
+      std::printf("decode %s: %.1f GB/s of state traffic, %.0f%% of the measured %.1f GB/s\n", r.shape.c_str(), r.gbps,
+                  r.pct_of_limit, bandwidth);
+  }
   for (const std::string& suite : suites) {
     if (const Record* f = find(recs, suite, "fused"); f && find(recs, suite, "staged")) {
       const Record* st = find(recs, suite, "staged");
