@@ -7,7 +7,9 @@ ml_dtypes.bfloat16. The semantics are those of SPEC.md section 1; all shape and 
 are done by the C++ library, whose ValueError messages name the offending argument.
 
 chunk_kda / naive_recurrent_kda are the forward (chunked kernel / fp64 oracle);
-chunk_kda_fwd_bwd / naive_recurrent_kda_bwd run the forward and then its backward.
+chunk_kda_fwd_bwd / naive_recurrent_kda_bwd run the forward and then its backward;
+kda_inference is the forward without residuals, optionally reading its initial states from a
+state pool; kda_decode advances sequences by a few tokens against a state pool, in place.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ __all__ = [
     "naive_recurrent_kda",
     "chunk_kda_fwd_bwd",
     "naive_recurrent_kda_bwd",
+    "kda_inference",
+    "kda_decode",
     "cpu_target",
     "memory_stats",
     "reset_peak_memory",
@@ -90,7 +94,8 @@ def _dims(x, n):
 
 def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-            cu_seqlens, segment_ids, max_num_segments, state_v_first, chunk_size, path, num_threads):
+            cu_seqlens, segment_ids, max_num_segments, state_v_first, chunk_size, path, num_threads,
+            initial_state_indices=None):
     """The forward's inputs and options as binding keyword arguments."""
     fl = _FLOAT_NAMES + (" (or float64 for the oracle)" if oracle else "")
     return dict(
@@ -104,6 +109,7 @@ def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_
         cu_seqlens=_wrap("cu_seqlens", cu_seqlens, _INT_CODES, "int32 or int64"),
         segment_ids=_wrap("segment_ids", segment_ids, _INT_CODES, "int32"),
         initial_state=_wrap("initial_state", initial_state, _FLOAT_CODES, fl),
+        initial_state_indices=_wrap("initial_state_indices", initial_state_indices, _INT_CODES, "int32 or int64"),
         max_num_segments=0 if max_num_segments is None else int(max_num_segments),
         scale=None if scale is None else float(scale),
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
@@ -149,14 +155,29 @@ def _forward_outputs(oracle, q, v, output_final_state, cu_seqlens, segment_ids, 
     return o, final_state
 
 
-def _run(entry, oracle, q, k, v, g, beta, *, output_final_state, **opts):
-    """The forward: (o, final_state)."""
+def _chunk_states(args, o_arg, fs_arg, q, v, state_v_first, dtype):
+    """A fresh chunk_states buffer [NC, HV, K, V] ([NC, HV, V, K] V-first); NC from the library,
+    which validates the inputs first (so the shapes of q and v can be trusted)."""
+    nc = _libkda.forward_chunk_count(**args, o=o_arg, final_state=fs_arg)
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    inner = (HV, V, K) if state_v_first else (HV, K, V)
+    return _alloc((nc,) + inner, dtype=dtype)
+
+
+def _run(entry, oracle, q, k, v, g, beta, *, output_final_state, return_intermediate_states=False, **opts):
+    """The forward: (o, final_state), or (o, final_state, h) with return_intermediate_states."""
     fl = _FLOAT_NAMES + (" (or float64 for the oracle)" if oracle else "")
     args = _inputs(oracle, q, k, v, g, beta, **opts)
     o, final_state = _forward_outputs(oracle, q, v, output_final_state, opts["cu_seqlens"],
                                       opts["segment_ids"], opts["max_num_segments"], opts["state_v_first"])
-    entry(**args, o=_wrap("o", o, _FLOAT_CODES, fl), final_state=_wrap("final_state", final_state, _FLOAT_CODES, fl))
-    return o, final_state
+    o_arg = _wrap("o", o, _FLOAT_CODES, fl)
+    fs_arg = _wrap("final_state", final_state, _FLOAT_CODES, fl)
+    h = None
+    if return_intermediate_states:
+        h = _chunk_states(args, o_arg, fs_arg, q, v, opts["state_v_first"],
+                          np.float64 if oracle else np.float32)
+    entry(**args, o=o_arg, final_state=fs_arg, chunk_states=_wrap("chunk_states", h, _FLOAT_CODES, fl))
+    return (o, final_state, h) if return_intermediate_states else (o, final_state)
 
 
 _RESIDUALS = ("saved", "remat")
@@ -181,10 +202,7 @@ def _run_fwd_bwd(forward, backward, oracle, q, k, v, g, beta, do, dht, *, residu
     # and the backward reads it. The token-by-token oracle has no chunks: it ignores the policy.
     chunk_states = None
     if residuals == "saved" and not oracle:
-        nc = _libkda.forward_chunk_count(**args, o=o_arg, final_state=fs_arg)
-        HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-        inner = (HV, V, K) if opts["state_v_first"] else (HV, K, V)
-        chunk_states = _alloc((nc,) + inner, dtype=np.float32)
+        chunk_states = _chunk_states(args, o_arg, fs_arg, q, v, opts["state_v_first"], np.float32)
     cs_arg = _wrap("chunk_states", chunk_states, _FLOAT_CODES, "float32")
     forward(**args, o=o_arg, final_state=fs_arg, chunk_states=cs_arg)
 
@@ -211,20 +229,31 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
               cu_seqlens=None, segment_ids=None, max_num_segments=None, state_v_first=False,
-              chunk_size=64, path="fused", num_threads=None):
-    """The chunked KDA forward on the CPU. Returns (o, final_state).
+              chunk_size=64, path="fused", num_threads=None, return_intermediate_states=False):
+    """The chunked KDA forward on the CPU. Returns (o, final_state), or (o, final_state, h)
+    with return_intermediate_states=True.
 
     o has q's dtype and shape [B, T, HV, V]. final_state (float32) is returned only with
     output_final_state=True, else None; its shape is [B, HV, K, V] (fixed length),
     [N, HV, K, V] (cu_seqlens, N + 1 entries) or [B, max_num_segments, HV, K, V]
     (segment_ids); state_v_first swaps the last two dims (also for initial_state).
 
+    h (intermediate states, for prefix caching; SPEC.md section 3) is the state entering every
+    chunk, float32 [NC, HV, K, V] ([NC, HV, V, K] with state_v_first). Chunks are numbered
+    segment by segment -- fixed length: batch row by batch row; cu_seqlens: segment by segment;
+    segment_ids: row-major over [B, max_num_segments] -- and, inside a segment, from its first
+    token: the chunk grid restarts at every segment, so segment s of length L has
+    ceil(L / chunk_size) chunks (none when empty) and its first one's entry is the segment's
+    initial state (or zeros). Entry c of a segment is the state after its first c * chunk_size
+    tokens. NC is the total over all segments (include/kda/ops.hpp, ForwardParams.chunk_states).
+
     scale None means K^-0.5; lower_bound None means no lower bound; path is "fused" or
     "staged"; chunk_size is 64, 32 or 16; num_threads None uses all cores.
     Raises ValueError naming the offending argument.
     """
     return _run(_libkda.forward, False, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                output_final_state=output_final_state, return_intermediate_states=return_intermediate_states,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                 lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
@@ -236,12 +265,13 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                         lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                         cu_seqlens=None, segment_ids=None, max_num_segments=None, state_v_first=False,
-                        chunk_size=64, path="fused", num_threads=None):
-    """The exact token-by-token recurrence in fp64 (the test oracle). Same arguments as
-    chunk_kda (chunk_size and path are ignored; float64 inputs are accepted too); o and
-    final_state are float64."""
+                        chunk_size=64, path="fused", num_threads=None, return_intermediate_states=False):
+    """The exact token-by-token recurrence in fp64 (the test oracle). Same arguments and
+    results as chunk_kda (path is ignored; float64 inputs are accepted too); o, final_state and
+    h are float64. chunk_size only sets the grid of h (any size >= 1 is accepted here)."""
     return _run(_libkda.reference_forward, True, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state,
+                return_intermediate_states=return_intermediate_states,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
@@ -300,3 +330,102 @@ def naive_recurrent_kda_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initi
                         allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                         max_num_segments=max_num_segments, state_v_first=state_v_first,
                         chunk_size=chunk_size, path=path, num_threads=num_threads)
+
+
+def kda_inference(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                  lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                  cu_seqlens=None, segment_ids=None, max_num_segments=None, state_v_first=False,
+                  chunk_size=64, path="fused", num_threads=None, initial_state_indices=None):
+    """The inference forward (SPEC.md section 3): chunk_kda without residuals -- nothing is kept
+    for a backward, so peak memory is the inputs, the outputs and per-thread scratch. Returns
+    (o, final_state) exactly as chunk_kda does (bitwise the same values for the same inputs).
+
+    initial_state_indices, optional [N] int32/int64 (fixed length: N = B; cu_seqlens: N
+    segments; not with segment_ids): initial_state is then a state pool [slots, HV, K, V]
+    ([slots, HV, V, K] with state_v_first; any float dtype) and sequence n starts from slot
+    initial_state_indices[n] (negative: the zero state). The pool is read in place, never
+    gathered or copied, and is not written. final_state, with output_final_state=True, is per
+    sequence: float32 [N, HV, K, V] (V-first: [N, HV, V, K]); write it back into the pool with
+    pool[indices] = final_state where wanted. Raises ValueError naming the offending argument.
+    """
+    return _run(_libkda.forward, False, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                initial_state_indices=initial_state_indices, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                cu_seqlens=cu_seqlens, segment_ids=segment_ids, max_num_segments=max_num_segments,
+                state_v_first=state_v_first, chunk_size=chunk_size, path=path, num_threads=num_threads)
+
+
+def _state_pool_arg(x):
+    """The decode state pool as a binding argument: it is updated in place, so it must reach the
+    library as the caller's own memory. Anything that would need a copy is an error."""
+    name = "state_pool"
+    if not isinstance(x, np.ndarray):
+        raise ValueError(
+            f"kda: argument '{name}': expected a writable numpy.ndarray of dtype float32, "
+            f"got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    if x.dtype != np.dtype(np.float32):
+        raise ValueError(f"kda: argument '{name}': expected dtype float32, got {_dtype_name(x.dtype)}")
+    if not x.flags.writeable:
+        raise ValueError(f"kda: argument '{name}': the array is read-only; the pool is updated in place")
+    if any(s < 0 or s % x.itemsize for s in x.strides):
+        raise ValueError(
+            f"kda: argument '{name}': strides {x.strides} (bytes) are not non-negative multiples of the "
+            f"element size; the pool is updated in place and cannot be passed through a copy"
+        )
+    return (x, "f32")
+
+
+def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_tokens=None, scale=None,
+               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+               lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+               state_v_first=False, num_threads=None):
+    """Decode against a state pool (SPEC.md section 3; include/kda/ops.hpp, DecodeParams): T
+    tokens per sequence (1, or a few draft tokens), token by token, in fp32. Returns o
+    [N, T, HV, V] in q's dtype.
+
+    q, k [N, T, H, K]; v [N, T, HV, V]; g [N, T, HV, K]; beta [N, T, HV] (any strides; input
+    transforms as in chunk_kda). state_pool: a writable float32 numpy array [slots, HV, K, V]
+    ([slots, HV, V, K] with state_v_first), updated IN PLACE (never copied; a read-only or
+    otherwise uncopyable-in-place array raises ValueError). slot_indices, int32/int64:
+      [N]    -- sequence n reads slot slot_indices[n] and writes its state after the last token
+                back to it;
+      [N, T] -- sequence n reads slot slot_indices[n, a - 1], a = num_accepted_tokens[n] (1 when
+                not given), and writes the state after token t to slot_indices[n, t] (skipped
+                when negative), so rejected draft tokens can be rolled back.
+    A negative read slot makes row n padding: its o rows are 0 and the pool is not touched.
+    num_accepted_tokens [N] int32/int64, values in [1, T], only with [N, T] indices.
+    Errors (ValueError with the library's message, nothing written to the pool): a slot index
+    >= slots, two rows writing the same slot, num_accepted_tokens out of range, bad shapes.
+    """
+    fl = _FLOAT_NAMES
+    ints = "int32 or int64"
+    args = dict(
+        q=_wrap("q", q, _FLOAT_CODES, fl, optional=False),
+        k=_wrap("k", k, _FLOAT_CODES, fl, optional=False),
+        v=_wrap("v", v, _FLOAT_CODES, fl, optional=False),
+        g=_wrap("g", g, _FLOAT_CODES, fl, optional=False),
+        beta=_wrap("beta", beta, _FLOAT_CODES, fl, optional=False),
+        A_log=_wrap("A_log", A_log, _FLOAT_CODES, fl),
+        dt_bias=_wrap("dt_bias", dt_bias, _FLOAT_CODES, fl),
+        slot_indices=_wrap("slot_indices", slot_indices, _INT_CODES, ints, optional=False),
+        num_accepted_tokens=_wrap("num_accepted_tokens", num_accepted_tokens, _INT_CODES, ints),
+        scale=None if scale is None else float(scale),
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel),
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval),
+        state_v_first=bool(state_v_first),
+        num_threads=0 if num_threads is None else int(num_threads),
+    )
+    pool = _state_pool_arg(state_pool)
+    if _dims(q, 4) and _dims(v, 4):
+        o = _alloc((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype)
+    else:  # malformed: the library reports the bad input
+        o = _alloc((0,), dtype=q.dtype)
+    _libkda.decode(**args, state_pool=pool, o=_wrap("o", o, _FLOAT_CODES, fl))
+    return o

@@ -1,4 +1,4 @@
-// Thin nanobind bindings of the libkda forward and backward (include/kda/ops.hpp) for the numpy
+// Thin nanobind bindings of the libkda forward, backward and decode (include/kda/ops.hpp) for the numpy
 // package python/libkda. Each tensor arrives as (array, dtype code): the code names the element type
 // because numpy has no DLPack code for bfloat16 (bf16 arrays come in as a uint16 view).
 // Arrays are wrapped, never copied: nanobind gives element strides, which is what
@@ -73,12 +73,29 @@ kda::Path parse_path(const std::string& path) {
   throw nb::value_error(("kda: option 'path': expected 'fused' or 'staged', got '" + path + "'").c_str());
 }
 
+// The options shared by the forward and decode (chunk_size and path are the forward's own).
+kda::Options make_options(std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
+                          std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+                          bool state_v_first, int num_threads) {
+  kda::Options opt;
+  opt.scale = scale ? *scale : NAN;
+  opt.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
+  opt.use_gate_in_kernel = use_gate_in_kernel;
+  opt.has_lower_bound = lower_bound.has_value();
+  opt.lower_bound = lower_bound ? *lower_bound : 0.0f;
+  opt.use_beta_sigmoid_in_kernel = use_beta_sigmoid_in_kernel;
+  opt.allow_neg_eigval = allow_neg_eigval;
+  opt.state_layout = state_v_first ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;
+  opt.num_threads = num_threads;
+  return opt;
+}
+
 // The forward's inputs and options, shared by every entry point (forward, forward_chunk_count,
 // backward). Outputs (o, final_state, chunk_states) are set by the caller.
 kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const In& g, const In& beta,
                                   const In& A_log, const In& dt_bias, const In& cu_seqlens,
                                   const In& segment_ids, std::int64_t max_num_segments, const In& initial_state,
-                                  std::optional<float> scale, bool use_qk_l2norm_in_kernel,
+                                  const In& initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel,
                                   bool use_gate_in_kernel, std::optional<float> lower_bound,
                                   bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, int chunk_size,
                                   bool state_v_first, const std::string& path, int num_threads) {
@@ -94,19 +111,11 @@ kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const I
   p.segment_ids = make_view(segment_ids, "segment_ids");
   p.max_num_segments = max_num_segments;
   p.initial_state = make_view(initial_state, "initial_state");
-
-  kda::Options& opt = p.options;
-  opt.scale = scale ? *scale : NAN;
-  opt.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
-  opt.use_gate_in_kernel = use_gate_in_kernel;
-  opt.has_lower_bound = lower_bound.has_value();
-  opt.lower_bound = lower_bound ? *lower_bound : 0.0f;
-  opt.use_beta_sigmoid_in_kernel = use_beta_sigmoid_in_kernel;
-  opt.allow_neg_eigval = allow_neg_eigval;
-  opt.chunk_size = chunk_size;
-  opt.state_layout = state_v_first ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;
-  opt.path = parse_path(path);
-  opt.num_threads = num_threads;
+  p.initial_state_indices = make_view(initial_state_indices, "initial_state_indices");
+  p.options = make_options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval, state_v_first, num_threads);
+  p.options.chunk_size = chunk_size;
+  p.options.path = parse_path(path);
   return p;
 }
 
@@ -125,12 +134,12 @@ void call(Fn&& fn) {
 #define KDA_FORWARD_ARGS                                                                                      \
   const In &q, const In &k, const In &v, const In &g, const In &beta, const In &A_log, const In &dt_bias,   \
       const In &cu_seqlens, const In &segment_ids, std::int64_t max_num_segments, const In &initial_state,   \
-      std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,                     \
+      const In &initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,                     \
       std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,              \
       int chunk_size, bool state_v_first, const std::string &path, int num_threads
 #define KDA_FORWARD_PARAMS                                                                                   \
   forward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, max_num_segments, initial_state, \
-                 scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, \
+                 initial_state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, \
                  allow_neg_eigval, chunk_size, state_v_first, path, num_threads)
 
 using ForwardEntry = kda::Status (*)(const kda::ForwardParams&);
@@ -179,11 +188,35 @@ void backward_entry(KDA_FORWARD_ARGS, const In& chunk_states, const In& d_o, con
 #undef KDA_FORWARD_ARGS
 #undef KDA_FORWARD_PARAMS
 
+// kda::decode: the pool is an output view (updated in place, never copied); o is written.
+void decode_entry(const In& q, const In& k, const In& v, const In& g, const In& beta, const In& A_log,
+                  const In& dt_bias, const Out& state_pool, const In& slot_indices, const In& num_accepted_tokens,
+                  std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
+                  std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+                  bool state_v_first, int num_threads, const Out& o) {
+  kda::DecodeParams p;
+  p.q = make_view(q, "q");
+  p.k = make_view(k, "k");
+  p.v = make_view(v, "v");
+  p.g = make_view(g, "g");
+  p.beta = make_view(beta, "beta");
+  p.A_log = make_view(A_log, "A_log");
+  p.dt_bias = make_view(dt_bias, "dt_bias");
+  p.state_pool = make_view(state_pool, "state_pool");
+  p.slot_indices = make_view(slot_indices, "slot_indices");
+  p.num_accepted_tokens = make_view(num_accepted_tokens, "num_accepted_tokens");
+  p.o = make_view(o, "o");
+  p.options = make_options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval, state_v_first, num_threads);
+  call([&] { return kda::decode(p); });
+}
+
 #define KDA_FORWARD_NB_ARGS                                                                                    \
   nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::kw_only(),                     \
       nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                           \
       nb::arg("cu_seqlens").none() = nb::none(), nb::arg("segment_ids").none() = nb::none(),                  \
       nb::arg("max_num_segments") = 0, nb::arg("initial_state").none() = nb::none(),                          \
+      nb::arg("initial_state_indices").none() = nb::none(),                                                   \
       nb::arg("scale").none() = nb::none(), nb::arg("use_qk_l2norm_in_kernel") = false,                       \
       nb::arg("use_gate_in_kernel") = false, nb::arg("lower_bound").none() = nb::none(),                      \
       nb::arg("use_beta_sigmoid_in_kernel") = false, nb::arg("allow_neg_eigval") = false,                     \
@@ -227,6 +260,19 @@ NB_MODULE(_libkda, m) {
                "dbeta, dh0, dA_log, ddt_bias are each optional outputs written in place.");
   def_backward(m, "reference_backward", &backward_entry<&kda::reference_backward>,
                "The fp64 adjoint oracle (kda::reference_backward); same arguments as backward.");
+
+  m.def("decode", &decode_entry, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
+        nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),
+        nb::arg("state_pool").none(), nb::arg("slot_indices").none(),
+        nb::arg("num_accepted_tokens").none() = nb::none(), nb::arg("scale").none() = nb::none(),
+        nb::arg("use_qk_l2norm_in_kernel") = false, nb::arg("use_gate_in_kernel") = false,
+        nb::arg("lower_bound").none() = nb::none(), nb::arg("use_beta_sigmoid_in_kernel") = false,
+        nb::arg("allow_neg_eigval") = false, nb::arg("state_v_first") = false, nb::arg("num_threads") = 0,
+        nb::arg("o"),
+        "Decode against a state pool (kda::decode): T tokens per sequence, token by token. state_pool "
+        "(fp32 [slots, HV, K, V], V-first [slots, HV, V, K]) is updated in place through slot_indices "
+        "([N] or [N, T]) and num_accepted_tokens ([N], optional); o [N, T, HV, V] is written. Raises "
+        "ValueError with the library's message; on error nothing is written.");
 
   m.def("version", [] { return std::string(kda::version()); }, "Library version, MAJOR.MINOR.PATCH.");
   m.def("cpu_target", [] { return std::string(kda::cpu_target()); },
