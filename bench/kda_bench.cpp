@@ -26,6 +26,7 @@
 #include <omp.h>
 
 #include "kda/kda.hpp"
+#include "machine_limits.hpp"
 
 namespace {
 
@@ -316,7 +317,7 @@ std::string mb(std::int64_t bytes) {
   return buf;
 }
 
-void write_json(const Config& cfg, const std::vector<Record>& recs) {
+void write_json(const Config& cfg, const std::vector<Record>& recs, const kda_bench::MachineLimits& lim) {
   std::ofstream f(cfg.json);
   if (!f) {
     std::fprintf(stderr, "kda-bench: cannot write %s\n", cfg.json.c_str());
@@ -330,7 +331,9 @@ void write_json(const Config& cfg, const std::vector<Record>& recs) {
       << ", \"max_ms\": " << r.max_ms << ", \"peak_bytes\": " << r.peak_bytes << ", \"extra_bytes\": " << r.extra_bytes
       << ", \"residual_bytes\": " << r.residual_bytes << ", \"gflops\": " << r.gflops << ", \"gbps\": " << r.gbps
       << ", \"pct_of_limit\": " << r.pct_of_limit << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
-      << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters << "}"
+      << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters
+      << ", \"limits\": {\"fp32_fma_gflops\": " << lim.fp32_fma_gflops << ", \"bf16_dot_gflops\": " << lim.bf16_dot_gflops
+      << ", \"bandwidth_gbps\": " << lim.bandwidth_gbps << "}}"
       << (i + 1 < recs.size() ? "," : "") << "\n";
   }
   f << "]\n";
@@ -400,26 +403,6 @@ std::vector<Record> backward_suite(const Config& cfg, const std::string& suite) 
     for (std::size_t i = 1; i < recs.size(); ++i) recs[i].speedup = recs.back().median_ms / recs[i].median_ms;
   }
   return recs;
-}
-
-// Streaming bandwidth of this machine with all threads: read + write bytes of a large copy.
-double measure_bandwidth_gbps(int threads) {
-  const std::int64_t n = 64ll << 20;  // 256 MB per array
-  Tensor a(kda::DType::kF32, {n}), b(kda::DType::kF32, {n});
-  float* pa = static_cast<float*>(a.buf.get());
-  float* pb = static_cast<float*>(b.buf.get());
-  const int nt = threads > 0 ? threads : omp_get_max_threads();
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (std::int64_t i = 0; i < n; ++i) pa[i] = static_cast<float>(i & 1023), pb[i] = 0.0f;
-  std::vector<double> times;
-  for (int it = 0; it < 5; ++it) {
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) pb[i] = pa[i] * 1.0001f;
-    const auto t1 = std::chrono::steady_clock::now();
-    times.push_back(std::chrono::duration<double>(t1 - t0).count());
-  }
-  return 2.0 * n * sizeof(float) / median(times) / 1e9;
 }
 
 // Inference (SPEC.md 5): B=1, H=8, T=512 and 8192 with two segments split off a 64-token edge,
@@ -554,11 +537,14 @@ int main(int argc, char** argv) {
 
   std::printf("kda-bench %s, cpu target %s, threads %s, %d iterations after %d warm-up\n", kda::version(),
               kda::cpu_target(), cfg.threads ? std::to_string(cfg.threads).c_str() : "all", cfg.iters, cfg.warmup);
-  double bandwidth = 0;
-  if (std::find(suites.begin(), suites.end(), "decode") != suites.end()) {
-    bandwidth = measure_bandwidth_gbps(cfg.threads);
-    std::printf("measured memory bandwidth (copy, read + write, all threads): %.1f GB/s\n", bandwidth);
-  }
+  std::fprintf(stderr, "[kda-bench] measuring the machine's limits ...\n");
+  const kda_bench::MachineLimits limits = kda_bench::measure_limits(cfg.threads);
+  std::printf("machine limits (%d threads): fp32 FMA %.1f GFLOP/s, bf16 dot %.1f GFLOP/s, memory %.1f GB/s\n",
+              limits.threads, limits.fp32_fma_gflops, limits.bf16_dot_gflops, limits.bandwidth_gbps);
+  const double bandwidth = limits.bandwidth_gbps;
+  // Compute results are compared with the peak matching the input dtype.
+  const double compute_limit = cfg.dtype == "fp32" ? limits.fp32_fma_gflops
+                                                   : (limits.bf16_dot_gflops > 0 ? limits.bf16_dot_gflops : limits.fp32_fma_gflops);
   std::vector<Record> recs;
   for (const std::string& suite : suites) {
     std::vector<Record> r;
@@ -569,14 +555,15 @@ int main(int argc, char** argv) {
     recs.insert(recs.end(), r.begin(), r.end());
   }
 
-  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s | peak MB | extra MB | residual MB | speed-up vs baseline |\n");
+  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s (% of limit) | peak MB | extra MB | residual MB | speed-up vs baseline |\n");
   std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Record& r : recs) {
     char sp[32] = "-";
     if (r.speedup > 0) std::snprintf(sp, sizeof sp, "%.2fx", r.speedup);
     char rate[48];
-    if (r.gbps > 0) std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, r.pct_of_limit);
-    else std::snprintf(rate, sizeof rate, "%.1f", r.gflops);
+    const double pct = r.gbps > 0 ? r.pct_of_limit : (compute_limit > 0 ? 100.0 * r.gflops / compute_limit : 0.0);
+    if (r.gbps > 0) std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, pct);
+    else std::snprintf(rate, sizeof rate, "%.1f (%.0f%%)", r.gflops, pct);
     std::printf("| %s | %s | %s | %s | %.2f | %.2f | %.2f | %s | %s | %s | %s | %s |\n", r.suite.c_str(),
                 r.path.c_str(), r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, rate,
                 mb(r.peak_bytes).c_str(), mb(r.extra_bytes).c_str(), mb(r.residual_bytes).c_str(), sp);
@@ -610,6 +597,8 @@ int main(int argc, char** argv) {
                     ss->median_ms / fs->median_ms, 100.0 * (1.0 - static_cast<double>(fs->peak_bytes) / ss->peak_bytes));
     }
   }
-  if (!cfg.json.empty()) write_json(cfg, recs);
+  for (Record& r : recs)
+    if (r.gbps == 0 && compute_limit > 0) r.pct_of_limit = 100.0 * r.gflops / compute_limit;
+  if (!cfg.json.empty()) write_json(cfg, recs, limits);
   return 0;
 }

@@ -1,0 +1,100 @@
+// Measured limits of this machine, with all threads: fp32 FMA peak, bf16 dot-product peak
+// (AVX-512 BF16 vdpbf16ps), streaming memory bandwidth. kda-bench prints them first and reports
+// every result as a percentage of the matching one.
+#include "machine_limits.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kda_bench {
+namespace {
+
+constexpr int kChains = 12;  // independent accumulators: enough to cover FMA latency x 2 ports
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Runs body(iters) on every thread at once and returns the flops per second of all threads.
+template <typename Body>
+double parallel_rate(int threads, double flops_per_iter, Body body) {
+  const std::int64_t iters = 20'000'000;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<float> sink(static_cast<std::size_t>(threads) * 16);
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+    { sink[static_cast<std::size_t>(omp_get_thread_num()) * 16] = body(iters); }
+    const double dt = seconds_since(t0);
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) * threads / dt);
+  }
+  return best;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) float fma_loop(std::int64_t iters) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.0001f);
+  for (std::int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) float bf16_loop(std::int64_t iters) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x0001);
+  for (std::int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+#endif
+
+}  // namespace
+
+MachineLimits measure_limits(int threads) {
+  MachineLimits m;
+  const int nt = threads > 0 ? threads : omp_get_max_threads();
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    // 16 lanes x 2 flops per FMA
+    m.fp32_fma_gflops = parallel_rate(nt, kChains * 32.0, fma_loop) / 1e9;
+  }
+  if (__builtin_cpu_supports("avx512bf16")) {
+    // 32 bf16 pairs x 2 flops per vdpbf16ps
+    m.bf16_dot_gflops = parallel_rate(nt, kChains * 64.0, bf16_loop) / 1e9;
+  }
+#endif
+  // Bandwidth: read + write bytes of a large streaming copy.
+  const std::int64_t n = 64ll << 20;  // 256 MB per array
+  std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<float>(i & 1023), b[i] = 0.0f;
+  std::vector<double> times;
+  for (int it = 0; it < 5; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) b[i] = a[i] * 1.0001f;
+    times.push_back(seconds_since(t0));
+  }
+  std::sort(times.begin(), times.end());
+  m.bandwidth_gbps = 2.0 * n * sizeof(float) / times[times.size() / 2] / 1e9;
+  m.threads = nt;
+  return m;
+}
+
+}  // namespace kda_bench
