@@ -139,20 +139,36 @@ static inline void gemm_rows(std::int64_t n, std::int64_t kd, const float* a, st
   for (; j < n; j += kLanes) gemm_tile<MR, 1>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
 }
 
+// Which part of a product is needed, so triangular operands and outputs cost half.
+enum class Tri : std::uint8_t {
+  kFull,
+  kALower,  // A(i, p) = 0 for p > i: only p <= i is read
+  kAUpper,  // A(i, p) = 0 for p < i: only p >= i is read
+  kCLower,  // only C(i, j) for j <= i is needed (columns up to the row's 16-column tile)
+};
+
 static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const float* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
-                        bool a_lower = false) {
+                        Tri tri = Tri::kFull) {
   constexpr int kMR = 4;
   for (std::int64_t i = 0; i < m; i += kMR) {
     const std::int64_t mr = m - i < kMR ? m - i : kMR;
-    std::int64_t kdi = a_lower ? (i + mr < kd ? i + mr : kd) : kd;
-    const float* ai = a + i * ars;
+    std::int64_t p0 = 0, p1 = kd, ni = n;
+    if (tri == Tri::kALower) p1 = i + mr < kd ? i + mr : kd;
+    if (tri == Tri::kAUpper) p0 = i < kd ? i : kd;
+    if (tri == Tri::kCLower) {
+      const std::int64_t cols = (i + mr + kLanes - 1) / kLanes * kLanes;
+      ni = cols < n ? cols : n;
+    }
+    const float* ai = a + i * ars + p0 * acs;
+    const float* bi = b + p0 * ldb;
     float* ci = c + i * ldc;
+    const std::int64_t kdi = p1 - p0;
     switch (mr) {
-      case 4: gemm_rows<4>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
-      case 3: gemm_rows<3>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
-      case 2: gemm_rows<2>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
-      default: gemm_rows<1>(n, kdi, ai, ars, acs, b, ldb, ci, ldc, alpha); break;
+      case 4: gemm_rows<4>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 3: gemm_rows<3>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 2: gemm_rows<2>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      default: gemm_rows<1>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
     }
   }
 }
