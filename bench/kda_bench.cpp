@@ -1,7 +1,7 @@
 // kda-bench: median latency and measured peak memory of the libkda paths on the SPEC.md
 // section 5 workloads, each next to its baseline in the same run.
 //
-//   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|all]
+//   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]
 //             [--baseline] [--heads H] [--tokens T] [--batch N]
 //             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
@@ -46,7 +46,7 @@ struct Config {
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
                "kda-bench: %s\n"
-               "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|all]\n"
+               "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
                "                 [--baseline] [--heads H] [--tokens T] [--batch N (decode)]\n"
                "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]\n"
                "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
@@ -86,9 +86,11 @@ Config parse(int argc, char** argv) {
     else if (a == "--help" || a == "-h") usage("help");
     else usage(("unknown flag " + a).c_str());
   }
-  const std::string known[] = {"all", "forward", "forward-packed", "backward", "backward-packed", "inference", "decode"};
+  const std::string known[] = {"all",       "forward", "forward-packed", "backward", "backward-packed",
+                               "inference", "decode",  "scaling"};
   if (std::find(std::begin(known), std::end(known), c.suite) == std::end(known)) {
-    usage(("unknown suite " + c.suite + " (forward, forward-packed, backward, backward-packed, inference, decode, all)").c_str());
+    usage(("unknown suite " + c.suite +
+           " (forward, forward-packed, backward, backward-packed, inference, decode, scaling, all)").c_str());
   }
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32") usage(("unknown dtype " + c.dtype).c_str());
   if (c.iters < 1) usage("--iters must be >= 1");
@@ -152,7 +154,8 @@ struct Record {
   std::int64_t peak_bytes = 0, extra_bytes = 0;
   std::int64_t residual_bytes = 0;  // kept between forward and backward (training suites)
   double gflops = 0;
-  double gbps = 0, pct_of_limit = 0;  // decode: state bytes moved per second, % of measured bandwidth
+  double gbps = 0, pct_of_limit = 0;
+  std::int64_t tokens = 0;  // scaling suite: T  // decode: state bytes moved per second, % of measured bandwidth
   double speedup = 0;  // over the baseline in the same run, 0 if none
 };
 
@@ -330,7 +333,7 @@ void write_json(const Config& cfg, const std::vector<Record>& recs, const kda_be
       << "\", \"dtype\": \"" << r.dtype << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
       << ", \"max_ms\": " << r.max_ms << ", \"peak_bytes\": " << r.peak_bytes << ", \"extra_bytes\": " << r.extra_bytes
       << ", \"residual_bytes\": " << r.residual_bytes << ", \"gflops\": " << r.gflops << ", \"gbps\": " << r.gbps
-      << ", \"pct_of_limit\": " << r.pct_of_limit << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
+      << ", \"pct_of_limit\": " << r.pct_of_limit << ", \"tokens\": " << r.tokens << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
       << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters
       << ", \"limits\": {\"fp32_fma_gflops\": " << lim.fp32_fma_gflops << ", \"bf16_dot_gflops\": " << lim.bf16_dot_gflops
       << ", \"bandwidth_gbps\": " << lim.bandwidth_gbps << "}}"
@@ -523,6 +526,42 @@ std::vector<Record> decode_suite(const Config& cfg, double bandwidth_gbps) {
   return recs;
 }
 
+// Scaling: time per token of the fused forward for T = 1K .. 32K (should be flat), the staged
+// baseline beside it with --baseline, and 1 thread vs all at T = 8K.
+std::vector<Record> scaling_suite(const Config& cfg) {
+  std::vector<Record> recs;
+  const std::vector<std::int64_t> Ts = cfg.tokens_set ? std::vector<std::int64_t>{cfg.tokens}
+                                                      : std::vector<std::int64_t>{1024, 2048, 4096, 8192, 16384, 32768};
+  for (std::int64_t T : Ts) {
+    Config c = cfg;
+    c.tokens = T;
+    const Workload w = make_workload(c, "forward");
+    std::vector<kda::Path> paths{kda::Path::kFused};
+    if (cfg.baseline) paths.push_back(kda::Path::kStaged);
+    for (kda::Path path : paths) {
+      progress("scaling", kda::path_name(path), w);
+      Record r = run_forward(c, w, path, "scaling");
+      r.tokens = T;
+      recs.push_back(r);
+    }
+  }
+  const int all = cfg.threads > 0 ? cfg.threads : omp_get_max_threads();
+  if (all > 1) {
+    for (int threads : {1, all}) {
+      Config c = cfg;
+      c.tokens = 8192;
+      c.threads = threads;
+      const Workload w = make_workload(c, "forward");
+      progress("scaling", "fused threads=" + std::to_string(threads), w);
+      Record r = run_forward(c, w, kda::Path::kFused, "scaling-threads");
+      r.path = "fused-" + std::to_string(threads) + "-thread" + (threads > 1 ? "s" : "");
+      r.tokens = 8192;
+      recs.push_back(r);
+    }
+  }
+  return recs;
+}
+
 const Record* find(const std::vector<Record>& recs, const std::string& suite, const std::string& path) {
   for (const Record& r : recs)
     if (r.suite == suite && r.path == path) return &r;
@@ -551,6 +590,7 @@ int main(int argc, char** argv) {
     if (suite == "backward" || suite == "backward-packed") r = backward_suite(cfg, suite);
     else if (suite == "inference") r = inference_suite(cfg);
     else if (suite == "decode") r = decode_suite(cfg, bandwidth);
+    else if (suite == "scaling") r = scaling_suite(cfg);
     else r = forward_suite(cfg, suite);
     recs.insert(recs.end(), r.begin(), r.end());
   }
@@ -576,6 +616,23 @@ int main(int argc, char** argv) {
     if (r.suite == "decode" && r.path == "decode")
       std::printf("decode %s: %.1f GB/s of state traffic, %.0f%% of the measured %.1f GB/s\n", r.shape.c_str(), r.gbps,
                   r.pct_of_limit, bandwidth);
+  }
+  {
+    double lo = 0, hi = 0;
+    for (const Record& r : recs)
+      if (r.suite == "scaling" && r.path == "fused") {
+        const double us = 1e3 * r.median_ms / static_cast<double>(r.tokens);
+        lo = lo == 0 ? us : std::min(lo, us);
+        hi = std::max(hi, us);
+        std::printf("scaling: T=%lld fused %.2f us/token\n", static_cast<long long>(r.tokens), us);
+      }
+    if (hi > 0) std::printf("scaling: time per token varies by %.0f%% from T=1K to 32K (max/min)\n", 100.0 * (hi / lo - 1));
+    const Record* one = nullptr;
+    const Record* many = nullptr;
+    for (const Record& r : recs)
+      if (r.suite == "scaling-threads") (one ? many : one) = &r;
+    if (one && many) std::printf("scaling: %s %.1f ms, %s %.1f ms (%.2fx)\n", one->path.c_str(), one->median_ms,
+                                 many->path.c_str(), many->median_ms, one->median_ms / many->median_ms);
   }
   for (const std::string& suite : suites) {
     if (const Record* f = find(recs, suite, "fused"); f && find(recs, suite, "staged")) {
