@@ -172,3 +172,33 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const f
     }
   }
 }
+
+// X <- (I + L)^-1 X (kTransposed = false: forward substitution) or (I + L)^-T X (true: back
+// substitution), L strictly lower triangular (rows, rows; ld ldl), X (rows, width; ld ldx),
+// width a multiple of 16. NV vectors of a row stay in registers while the row is reduced.
+template <bool kTransposed, int NV>
+static inline void unit_lower_solve_cols(const float* L, std::int64_t ldl, float* X, std::int64_t ldx,
+                                         std::int64_t rows) {
+  for (std::int64_t step = 1; step < rows; ++step) {
+    const std::int64_t i = kTransposed ? rows - 1 - step : step;
+    float* xi = X + i * ldx;
+    vf acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = vload(xi + v * kLanes);
+    const std::int64_t j0 = kTransposed ? i + 1 : 0, j1 = kTransposed ? rows : i;
+    for (std::int64_t j = j0; j < j1; ++j) {
+      const vf l = vsplat(kTransposed ? L[j * ldl + i] : L[i * ldl + j]);
+      const float* xj = X + j * ldx;
+      for (int v = 0; v < NV; ++v) acc[v] -= l * vload(xj + v * kLanes);
+    }
+    for (int v = 0; v < NV; ++v) vstore(xi + v * kLanes, acc[v]);
+  }
+}
+
+template <bool kTransposed>
+static inline void unit_lower_solve(const float* L, std::int64_t ldl, float* X, std::int64_t ldx, std::int64_t rows,
+                                    std::int64_t width) {
+  std::int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= width; c0 += 4 * kLanes) unit_lower_solve_cols<kTransposed, 4>(L, ldl, X + c0, ldx, rows);
+  for (; c0 + 2 * kLanes <= width; c0 += 2 * kLanes) unit_lower_solve_cols<kTransposed, 2>(L, ldl, X + c0, ldx, rows);
+  for (; c0 < width; c0 += kLanes) unit_lower_solve_cols<kTransposed, 1>(L, ldl, X + c0, ldx, rows);
+}
