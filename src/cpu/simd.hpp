@@ -17,7 +17,9 @@ static inline vf vload(const float* p) {
   return v;
 }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float x) { return vf{} + x; }
+// Not `vf{} + x`: 0 + x is not an identity for x = -0, so the compiler would emit a scalar add
+// (on an FMA port) before every broadcast.
+static inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // e^x, about 1 ulp (Cephes expf polynomial with a two-part ln 2). Results below FLT_MIN
 // flush to exactly 0 (no denormals), +-inf and NaN propagate, overflow gives +inf.
