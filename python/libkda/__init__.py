@@ -10,6 +10,9 @@ chunk_kda / naive_recurrent_kda are the forward (chunked kernel / fp64 oracle);
 chunk_kda_fwd_bwd / naive_recurrent_kda_bwd run the forward and then its backward;
 kda_inference is the forward without residuals, optionally reading its initial states from a
 state pool; kda_decode advances sequences by a few tokens against a state pool, in place.
+
+Framework ops (docs/PYTHON.md): libkda.torch (drop-in for fla.ops.kda) and libkda.jax (drop-in
+for Tokamax's kimi_delta_attention) import torch / jax on demand; `import libkda` needs neither.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "kda_inference",
     "kda_decode",
     "cpu_target",
+    "backends",
     "memory_stats",
     "reset_peak_memory",
     "__version__",
@@ -50,6 +54,14 @@ _alloc = np.empty
 def cpu_target() -> str:
     """The CPU kernel target chosen at run time ("avx512" or "generic")."""
     return _libkda.cpu_target()
+
+
+def backends() -> list[str]:
+    """The compute backends of this build: ["cpu", "cpu:<target>"] with the CPU kernel target
+    chosen at run time (see cpu_target()). There is no CUDA backend yet. The framework
+    integrations are the submodules libkda.torch (needs torch) and libkda.jax (needs jax); they
+    are imported on demand, so `import libkda` needs neither."""
+    return ["cpu", "cpu:" + _libkda.cpu_target()]
 
 
 def memory_stats() -> tuple[int, int]:

@@ -242,6 +242,13 @@ void def_backward(nb::module_& m, const char* name, Fn fn, const char* doc) {
 
 }  // namespace
 
+// Raw-pointer entry points (python/src/raw.cpp) and, when built against the XLA FFI headers, the
+// JAX custom-call handlers (python/src/jax_ffi.cpp).
+void kda_register_raw(nb::module_& m);
+#ifdef KDA_HAVE_JAX_FFI
+void kda_register_jax_ffi(nb::module_& m);
+#endif
+
 NB_MODULE(_libkda, m) {
   m.doc() = "libkda: Kimi Delta Attention CPU kernels (low-level bindings; use the libkda package)";
 
@@ -285,4 +292,8 @@ NB_MODULE(_libkda, m) {
       },
       "(current_bytes, peak_bytes) of the library's accounting allocator.");
   m.def("reset_peak_memory", &kda::reset_peak_memory, "Sets the peak to the current usage.");
+  kda_register_raw(m);
+#ifdef KDA_HAVE_JAX_FFI
+  kda_register_jax_ffi(m);
+#endif
 }

@@ -1,0 +1,625 @@
+"""libkda.torch: PyTorch ops of libkda that drop in for ``fla.ops.kda``.
+
+``chunk_kda`` and ``fused_recurrent_kda`` take the argument names, layouts, defaults and return
+values of flash-linear-attention's ``fla.ops.kda`` (q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``;
+g ``[B, T, HV, K]``; beta ``[B, T, HV]``; states ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with
+``state_v_first``), so switching is a change of import::
+
+    from libkda.torch import chunk_kda, fused_recurrent_kda   # was: from fla.ops.kda import ...
+
+The kernels are libkda's CPU kernels (SPEC.md). CPU tensors are read and written in place through
+their data pointers and strides (no copies, no contiguity requirement); CUDA tensors raise a
+clear error (there is no CUDA backend yet). float64 inputs run the fp64 oracle (the exact
+recurrence of SPEC.md section 1 and its adjoint), so ``torch.autograd.gradcheck`` works.
+
+Ops (``torch.library``, namespace ``libkda``; each has a fake kernel for ``torch.compile``):
+  libkda::chunk_kda_fwd, libkda::chunk_kda_bwd  -- the chunked forward / backward
+  libkda::decode                                -- decode against a state pool, in place
+Autograd is a ``torch.autograd.Function`` over the two chunk ops (``disable_recompute=True``
+keeps the state entering every chunk for the backward, ``False`` rematerializes it). See
+docs/PYTHON.md for the mapping to FLA and the limitations.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _libkda
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "kda_decode"]
+
+_raw_forward = _libkda.raw_forward
+_raw_backward = _libkda.raw_backward
+_raw_decode = _libkda.raw_decode
+_L2NORM, _GATE, _BETA_SIGMOID, _NEG_EIGVAL, _V_FIRST = _libkda.RAW_FLAGS
+_NAN = float("nan")
+
+# kda::DType numbering (python/src/raw.cpp).
+_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float64: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+}
+
+
+def _desc(t):
+    """The raw descriptor (ptr, dtype, shape, strides) of a CPU tensor, or None. No copy. An
+    unsupported dtype gets code -1, which the library rejects naming the argument."""
+    if t is None:
+        return None
+    return (t.data_ptr(), _CODES.get(t.dtype, -1), t.shape, t.stride())
+
+
+def _f(x):
+    return _NAN if x is None else float(x)
+
+
+def _state_shape(B, N_or_none, HV, K, V, flags):
+    inner = (HV, V, K) if flags & _V_FIRST else (HV, K, V)
+    return (N_or_none,) + inner
+
+
+def _chunk_capacity(B, T, cu_seqlens, chunk_size):
+    """An upper bound of NC, the number of chunk states, from shapes only (no data): fixed length
+    B * ceil(T / C); packed ceil(T / C) + N - 1 (N segments add at most N - 1 partial chunks).
+    The library trims the buffer to the exact NC (python/src/raw.cpp)."""
+    nt = (T + chunk_size - 1) // chunk_size
+    if cu_seqlens is None:
+        return B * nt
+    n = cu_seqlens.shape[0] - 1
+    return nt + (n - 1 if n > 1 else 0)
+
+
+def _exact_chunks(B, T, cu_seqlens, chunk_size):
+    if cu_seqlens is None:
+        return B * ((T + chunk_size - 1) // chunk_size)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return int(((lengths + chunk_size - 1) // chunk_size).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+# ---------------------------------------------------------------------------------------------
+
+_lib = torch.library.Library("libkda", "DEF")
+_lib.define(
+    "chunk_kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+    "Tensor? initial_state, Tensor? cu_seqlens, float? scale, float? lower_bound, int flags, int chunk_size, "
+    "bool output_final_state, bool save_states) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "chunk_kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+    "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_states, Tensor do, Tensor? dht, float? scale, "
+    "float? lower_bound, int flags, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+    "Tensor(a!) state_pool, Tensor slot_indices, Tensor? num_accepted_tokens, float? scale, float? lower_bound, "
+    "int flags) -> Tensor"
+)
+
+
+def _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state, save_states):
+    """(o shape, final_state shape, chunk_states shape, state dtype) of chunk_kda_fwd. Shared by the
+    CPU and the fake kernel so that they agree exactly."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    oracle = q.dtype == torch.float64
+    state_dtype = torch.float64 if oracle else torch.float32
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    fs = _state_shape(B, N, HV, K, V, flags) if output_final_state else (0,)
+    cs = _state_shape(B, _chunk_capacity(B, T, cu_seqlens, chunk_size), HV, K, V, flags) if save_states else (0,)
+    return (B, T, HV, V), fs, cs, state_dtype
+
+
+def _check_dims(q, v):
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"kda: q must be [B, T, H, K] and v [B, T, HV, V]; got q {list(q.shape)}, v {list(v.shape)}"
+        )
+
+
+def _chunk_kda_fwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
+                       chunk_size, output_final_state, save_states):
+    _check_dims(q, v)
+    o_shape, fs_shape, cs_shape, sdt = _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state,
+                                                   save_states)
+    o = torch.empty(o_shape, dtype=q.dtype)
+    fs = torch.empty(fs_shape, dtype=sdt)
+    cs = torch.empty(cs_shape, dtype=sdt)
+    nc = _raw_forward(
+        1 if q.dtype == torch.float64 else 0,
+        (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(A_log),
+         _desc(dt_bias), _desc(cu_seqlens), None, _desc(initial_state),
+         None, _desc(o), _desc(fs) if output_final_state else None,
+         _desc(cs) if save_states else None),
+        0, _f(scale), _f(lower_bound), flags, chunk_size, 0, 0)
+    if save_states and nc < cs.shape[0]:
+        cs[nc:].zero_()  # the capacity's unused tail: deterministic contents
+    return o, fs, cs
+
+
+def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
+                        chunk_size, output_final_state, save_states):
+    _check_dims(q, v)
+    o_shape, fs_shape, cs_shape, sdt = _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state,
+                                                   save_states)
+    return q.new_empty(o_shape), q.new_empty(fs_shape, dtype=sdt), q.new_empty(cs_shape, dtype=sdt)
+
+
+def _bwd_dtypes(q, k, v, g, beta, initial_state, A_log, dt_bias, flags):
+    """Gradient buffers' (shape, dtype): inputs' dtypes (fp32 for dh0, dA_log, ddt_bias); all fp64
+    on the oracle path. Absent gradients are empty (0,) tensors."""
+    oracle = q.dtype == torch.float64
+    f32 = torch.float64 if oracle else torch.float32
+
+    def like(x):
+        return (tuple(x.shape), torch.float64 if oracle else x.dtype)
+
+    gate = bool(flags & _GATE)
+    return [
+        like(q), like(k), like(v), like(g), like(beta),
+        (tuple(initial_state.shape), f32) if initial_state is not None else ((0,), f32),
+        (tuple(A_log.shape), f32) if (gate and A_log is not None) else ((0,), f32),
+        (tuple(dt_bias.shape), f32) if (gate and dt_bias is not None) else ((0,), f32),
+    ]
+
+
+def _chunk_kda_bwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states, do, dht, scale,
+                       lower_bound, flags, chunk_size):
+    _check_dims(q, v)
+    grads = [torch.empty(shape, dtype=dt) for shape, dt in _bwd_dtypes(q, k, v, g, beta, initial_state, A_log,
+                                                                         dt_bias, flags)]
+    dq, dk, dv, dg, dbeta, dh0, dA, ddt = grads
+    gate = bool(flags & _GATE)
+    oracle = q.dtype == torch.float64
+    if chunk_states is not None and chunk_states.numel() == 0:
+        chunk_states = None
+    _raw_backward(
+        1 if oracle else 0,
+        (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(A_log),
+         _desc(dt_bias), _desc(cu_seqlens), None, _desc(initial_state),
+         None, None, None, _desc(chunk_states),
+         _desc(do), _desc(dht),
+         _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta),
+         _desc(dh0) if initial_state is not None else None,
+         _desc(dA) if (gate and A_log is not None) else None,
+         _desc(ddt) if (gate and dt_bias is not None) else None),
+        0, _f(scale), _f(lower_bound), flags, chunk_size, 0, 0)
+    return dq, dk, dv, dg, dbeta, dh0, dA, ddt
+
+
+def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states, do, dht, scale,
+                        lower_bound, flags, chunk_size):
+    _check_dims(q, v)
+    return tuple(q.new_empty(shape, dtype=dt)
+                 for shape, dt in _bwd_dtypes(q, k, v, g, beta, initial_state, A_log, dt_bias, flags))
+
+
+def _decode_cpu(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, num_accepted_tokens, scale, lower_bound,
+                flags):
+    _check_dims(q, v)
+    o = torch.empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype)
+    _raw_decode(
+        (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(A_log),
+         _desc(dt_bias), _desc(state_pool), _desc(slot_indices),
+         _desc(num_accepted_tokens), _desc(o)),
+        _f(scale), _f(lower_bound), flags, 0)
+    return o
+
+
+def _decode_fake(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, num_accepted_tokens, scale, lower_bound,
+                 flags):
+    _check_dims(q, v)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+
+
+def _no_cuda(name):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(
+            f"libkda::{name}: CUDA tensors are not supported -- libkda has a CPU backend only (no CUDA "
+            f"backend yet). Move the inputs to the CPU (tensor.cpu()) or use fla.ops.kda on the GPU."
+        )
+    return kernel
+
+
+for _name, _cpu, _fake in (("chunk_kda_fwd", _chunk_kda_fwd_cpu, _chunk_kda_fwd_fake),
+                           ("chunk_kda_bwd", _chunk_kda_bwd_cpu, _chunk_kda_bwd_fake),
+                           ("decode", _decode_cpu, _decode_fake)):
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _no_cuda(_name), "CUDA")
+    torch.library.register_fake(f"libkda::{_name}", _fake, lib=_lib)
+
+_fwd_op = torch.ops.libkda.chunk_kda_fwd.default
+_bwd_op = torch.ops.libkda.chunk_kda_bwd.default
+_decode_op = torch.ops.libkda.decode.default
+
+# Eager fast path. Going through the dispatcher to a Python kernel costs several microseconds per
+# call (boxing 13+ arguments and unboxing them again), as much as a decode-sized library call. When nothing could observe the
+# difference -- plain CPU tensors, no torch.compile / dispatch or function modes / functorch
+# transforms / profiler -- the public functions call the CPU kernels above directly (the very
+# code the dispatcher would run). Otherwise they call the registered ops.
+import torch.utils._python_dispatch as _pd  # noqa: E402
+
+_is_compiling = torch.compiler.is_compiling
+_C = torch._C
+_Tensor = torch.Tensor
+
+
+def _eager_ok(*tensors):
+    if _is_compiling():
+        return False
+    if (_pd._is_in_torch_dispatch_mode or _C._is_torch_function_mode_enabled()
+            or _C._are_functorch_transforms_active() or torch.autograd.profiler._is_profiler_enabled):
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not _Tensor or not t.is_cpu):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+def _chunk_grads(saved, opts, do, dht, need):
+    """The 15 input gradients of chunk_kda_fwd from the C++ backward (SPEC.md section 2).
+    saved: (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states or None);
+    opts: (scale, lower_bound, flags, chunk_size, output_final_state); need: needs_input_grad."""
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs = saved
+    scale, lower_bound, flags, chunk_size, output_final_state = opts
+    if do is None:
+        do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
+    if not output_final_state:
+        dht = None
+    bwd = _chunk_kda_bwd_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, do,
+                                          dht) else _bwd_op
+    dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, do,
+                                              dht, scale, lower_bound, flags, chunk_size)
+    gate = bool(flags & _GATE)
+    return (
+        dq.to(q.dtype) if need[0] else None,
+        dk.to(k.dtype) if need[1] else None,
+        dv.to(v.dtype) if need[2] else None,
+        dg.to(g.dtype) if need[3] else None,
+        dbeta.to(beta.dtype) if need[4] else None,
+        dA.to(A_log.dtype) if (need[5] and gate) else None,
+        ddt.to(dt_bias.dtype) if (need[6] and gate) else None,
+        dh0.to(initial_state.dtype) if need[7] else None,
+        None, None, None, None, None, None, None,
+    )
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Autograd of the chunked forward through the C++ backward (SPEC.md section 2). With
+    save_states the forward keeps the state entering every chunk (saved-state residual);
+    without, the backward rematerializes the states (SPEC.md section 3). Arguments are those of
+    libkda::chunk_kda_fwd; returns (o, final_state or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
+                chunk_size, output_final_state, save_states):
+        fwd = _chunk_kda_fwd_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) else _fwd_op
+        o, fs, cs = fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
+                        chunk_size, output_final_state, save_states)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                              cs if save_states else None)
+        ctx.opts = (scale, lower_bound, flags, chunk_size, output_final_state)
+        if output_final_state:
+            return o, fs
+        return o, None
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        return _chunk_grads(ctx.saved_tensors, ctx.opts, do, dht, ctx.needs_input_grad)
+
+
+# The same autograd on the op itself, for callers of torch.ops.libkda.chunk_kda_fwd (its third
+# output, the chunk states, is a residual and gets no gradient).
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags, chunk_size,
+     output_final_state, save_states) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                          output[2] if save_states else None)
+    ctx.opts = (scale, lower_bound, flags, chunk_size, output_final_state)
+
+
+def _fwd_backward(ctx, do, dfs, dcs):
+    return _chunk_grads(ctx.saved_tensors, ctx.opts, do, dfs, ctx.needs_input_grad)
+
+
+torch.library.register_autograd("libkda::chunk_kda_fwd", _fwd_backward, setup_context=_fwd_setup_context, lib=_lib)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLA-compatible entry points
+# ---------------------------------------------------------------------------------------------
+
+def _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first):
+    return ((_L2NORM if use_qk_l2norm_in_kernel else 0) | (_GATE if use_gate_in_kernel else 0)
+            | (_BETA_SIGMOID if use_beta_sigmoid_in_kernel else 0) | (_NEG_EIGVAL if allow_neg_eigval else 0)
+            | (_V_FIRST if state_v_first else 0))
+
+
+def _check_cpu(q):
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            f"libkda.torch: inputs on device '{q.device}' are not supported -- libkda has a CPU backend only "
+            f"(no CUDA backend yet). Move the inputs to the CPU or use fla.ops.kda on the GPU."
+        )
+
+
+def _state_v_first_kwarg(state_v_first, kwargs):
+    if "transpose_state_layout" in kwargs:  # FLA's deprecated name
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=3)
+        state_v_first = kwargs.pop("transpose_state_layout")
+    return state_v_first
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """``fla.ops.kda.chunk_kda`` on libkda's CPU kernels: same arguments, defaults and results.
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV % H == 0); g ``[B, T, HV, K]`` (log decay, or
+    the raw gate with ``use_gate_in_kernel``: ``A_log [HV]`` and optional ``dt_bias [HV * K]`` are
+    passed as keywords, as in FLA); beta ``[B, T, HV]`` (logits with
+    ``use_beta_sigmoid_in_kernel``). Varlen: ``cu_seqlens [N + 1]`` with B = 1. States ``[N, HV, K, V]``
+    (``[N, HV, V, K]`` with ``state_v_first``), float32. Any dtype of float32 / bfloat16 / float16
+    (float64: the fp64 oracle). Extra keywords: ``chunk_size`` (64, 32 or 16), ``A_log``,
+    ``dt_bias``.
+
+    ``disable_recompute=True`` keeps the state entering every chunk for the backward (saved-state);
+    ``False`` (the default) rematerializes it in the backward. ``return_intermediate_states=True``
+    returns ``(o, final_state, h)`` without autograd, h being the state entering every chunk,
+    float32 ``[B, NT, HV, K, V]`` (varlen: ``[1, NC, HV, K, V]``).
+
+    ``safe_gate``, ``cu_seqlens_cpu``, ``use_graph`` and ``max_num_seqs`` are accepted for
+    compatibility and do not change the result (``safe_gate`` validates ``lower_bound`` as FLA
+    does); ``cp_context`` is not supported.
+
+    Returns ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32 or None.
+    """
+    state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    if cp_context is not None:
+        raise NotImplementedError("libkda.torch.chunk_kda: context parallelism (cp_context) is not supported")
+    _check_cpu(q)
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+                f"Please flatten variable-length inputs before processing."
+            )
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+            raise ValueError(f"kda: argument 'cu_seqlens': expected shape [N + 1], got {list(cu_seqlens.shape)}")
+    A_log = dt_bias = None
+    if use_gate_in_kernel:
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+        if A_log is None and lower_bound is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+    chunk_size = kwargs.pop("chunk_size", 64)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"`chunk_size` must be 64, 32 or 16 for libkda, got {chunk_size}.")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not (-5 <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if not use_gate_in_kernel:
+        lower_bound = None  # FLA: the lower bound only shapes the in-kernel gate
+    flags = _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                   state_v_first)
+    scale = None if scale is None else float(scale)
+
+    if return_intermediate_states:
+        o, fs, cs = _fwd_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
+                            chunk_size, output_final_state, True)
+        B, T = q.shape[0], q.shape[1]
+        nc = _exact_chunks(B, T, cu_seqlens, chunk_size)
+        h = cs[:nc]
+        h = h.unflatten(0, (B, nc // B if B else 0)) if cu_seqlens is None else h.unsqueeze(0)
+        return o, (fs if output_final_state else None), h
+
+    if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))):
+        # Nothing to differentiate: the forward alone, without residuals (the inference path).
+        o, fs, _ = _chunk_kda_fwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                      lower_bound, flags, chunk_size, bool(output_final_state), False)
+        return o, (fs if output_final_state else None)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                                  flags, chunk_size, bool(output_final_state), bool(disable_recompute))
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+):
+    """``fla.ops.kda.fused_recurrent_kda``: same arguments, defaults and results
+    (``(o, final_state)``). Runs libkda's chunked kernel, which computes the same recurrence
+    (and, unlike FLA's, is differentiable).
+
+    With ``ssm_state_indices`` (vLLM's continuous batching; optional ``num_accepted_tokens`` for
+    speculative decoding; ``inplace_final_state=True``), this is the decode entry: ``initial_state``
+    is then a state pool ``[slots, HV, K, V]`` updated in place, see ``fused_recurrent_kda_fwd``.
+    """
+    state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    if kwargs.get("ssm_state_indices") is not None:
+        return fused_recurrent_kda_fwd(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
+            output_final_state=output_final_state, inplace_final_state=kwargs.get("inplace_final_state", True),
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=kwargs["ssm_state_indices"],
+            num_accepted_tokens=kwargs.get("num_accepted_tokens"), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, out=kwargs.get("out"))
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if cu_seqlens is not None and initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+        raise ValueError(
+            f"The number of initial states is expected to be equal to the number of input sequences, "
+            f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}."
+        )
+    extra = {}
+    if use_gate_in_kernel:
+        extra = dict(A_log=A_log, dt_bias=dt_bias)
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                     cu_seqlens=cu_seqlens, **extra)
+
+
+def fused_recurrent_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    inplace_final_state: bool = True,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+    **kwargs,
+):
+    """``fla.ops.kda.fused_recurrent_kda_fwd`` (the decode entry vLLM / SGLang call), on
+    kda::decode. Returns ``(o, final_state)``.
+
+    With ``ssm_state_indices`` and ``inplace_final_state=True`` (the default): ``initial_state`` is
+    a float32 state pool ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``),
+    read and updated in place; ``final_state`` is that pool. ``ssm_state_indices`` ``[N]``: sequence
+    n reads and writes slot ``ssm_state_indices[n]``; ``[N, T]`` with ``num_accepted_tokens [N]``:
+    it reads slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and writes the state after
+    token t to ``ssm_state_indices[n, t]`` (negative: skipped; a negative read slot makes row n
+    padding: o = 0, pool untouched). Tokens: q ``[N, T, H, K]``, or ``[1, N * T, H, K]`` with
+    ``cu_seqlens = [0, T, 2T, ...]`` (equal lengths).
+
+    Without ``ssm_state_indices`` this is ``fused_recurrent_kda`` (``inplace_final_state`` must then be
+    False or there must be no initial state to update). ``out``, when given, receives o (a copy).
+    """
+    state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    if ssm_state_indices is None:
+        if inplace_final_state and initial_state is not None:
+            raise NotImplementedError(
+                "libkda.torch.fused_recurrent_kda_fwd: inplace_final_state=True without ssm_state_indices is not "
+                "supported; pass ssm_state_indices (the slots of the pool) or inplace_final_state=False")
+        o, fs = fused_recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                                    initial_state=initial_state, output_final_state=output_final_state,
+                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                    use_gate_in_kernel=use_gate_in_kernel,
+                                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                    allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound,
+                                    state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return o, fs
+    if not inplace_final_state:
+        raise NotImplementedError(
+            "libkda.torch.fused_recurrent_kda_fwd: with ssm_state_indices only inplace_final_state=True is "
+            "supported (the pool is updated in place)")
+    if initial_state is None:
+        raise ValueError("fused_recurrent_kda_fwd: ssm_state_indices needs initial_state (the state pool)")
+    o = kda_decode(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                   A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                   cu_seqlens=cu_seqlens)
+    if out is not None:
+        out.copy_(o.view(out.shape))
+        o = out
+    return o, initial_state
+
+
+def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tokens=None, *, A_log=None,
+               dt_bias=None, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+               cu_seqlens=None):
+    """Decode against a state pool (libkda::decode, kda::decode): updates ``state_pool`` in place
+    and returns o in q's layout (``[N, T, HV, V]``, or ``[1, N * T, HV, V]`` with ``cu_seqlens``).
+    See ``fused_recurrent_kda_fwd`` for the index contract. Not differentiable."""
+    _check_cpu(q)
+    packed = cu_seqlens is not None
+    if packed:
+        # [1, N * T, ...] with equal-length segments is [N, T, ...]: a view, no copy.
+        if q.shape[0] != 1:
+            raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
+        n = cu_seqlens.shape[0] - 1
+        total = q.shape[1]
+        t = total // n if n > 0 else 0
+        if n <= 0 or t * n != total or not torch.equal(
+                cu_seqlens, torch.arange(0, total + 1, max(t, 1), dtype=cu_seqlens.dtype, device=cu_seqlens.device)):
+            raise NotImplementedError(
+                "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens "
+                "(cu_seqlens = [0, T, 2T, ...]); use chunk_kda with initial states for ragged prefill")
+        q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if not use_gate_in_kernel:
+        A_log = dt_bias = lower_bound = None
+    flags = _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                   state_v_first)
+    decode = (_decode_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices,
+                                       num_accepted_tokens) else _decode_op)
+    o = decode(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accepted_tokens,
+               None if scale is None else float(scale), lower_bound, flags)
+    return o.flatten(0, 1).unsqueeze(0) if packed else o

@@ -1,0 +1,211 @@
+"""Drop-in check (issue 6): FLA's documented call patterns for fla.ops.kda -- the chunk_kda and
+fused_recurrent_kda docstring examples (fixed length, GVA, varlen cu_seqlens), the
+KimiDeltaAttention layer's calls (gate in kernel; pre-activated gate in fused_recurrent mode) and
+vLLM's V-first state-pool decode -- run unchanged against libkda.torch, with the import switched,
+device='cpu' and sizes scaled down. Every result is checked against the fp64 oracle."""
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import libkda
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+F = torch.nn.functional
+
+from libkda.torch import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: E402  (was: fla.ops.kda)
+
+device = "cpu"
+
+
+def rearrange_b_t_to_1_bt(x):
+    """einops.rearrange(x, 'b t ... -> 1 (b t) ...')"""
+    return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def np64(t):
+    return None if t is None else t.detach().to(torch.float64).numpy()
+
+
+def check(o, ht, q, k, v, g, beta, h0, bound, **kw):
+    ro, rht = libkda.naive_recurrent_kda(np64(q), np64(k), np64(v), np64(g), np64(beta), initial_state=np64(h0),
+                                         output_final_state=True, **{n: (np64(x) if torch.is_tensor(x) and
+                                                                         x.is_floating_point() else
+                                                                         (x.numpy() if torch.is_tensor(x) else x))
+                                                                     for n, x in kw.items()})
+    assert_close(np64(o), ro, bound, "o")
+    assert_close(np64(ht), rht, 1e-5 if bound <= 1e-5 else bound, "final_state")
+
+
+def test_chunk_kda_docstring_examples():
+    torch.manual_seed(0)
+    # inputs with equal lengths (no GVA, HV == H)
+    B, T, H, K, V = 2, 100, 2, 32, 32
+    q = torch.randn(B, T, H, K, dtype=torch.bfloat16, device=device)
+    k = torch.randn(B, T, H, K, dtype=torch.bfloat16, device=device)
+    v = torch.randn(B, T, H, V, dtype=torch.bfloat16, device=device)
+    beta = torch.rand(B, T, H, dtype=torch.bfloat16, device=device)
+    g = torch.rand(B, T, H, K, dtype=torch.bfloat16, device=device)
+    h0 = torch.randn(B, H, K, V, dtype=torch.float32, device=device)
+    A_log = torch.randn(H, dtype=torch.float32, device=device)
+    dt_bias = torch.randn(H * K, dtype=torch.float32, device=device)
+    o, ht = chunk_kda(
+        q, k, v, g, beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        initial_state=h0,
+        output_final_state=True
+    )
+    assert o.shape == (B, T, H, V) and o.dtype == torch.bfloat16 and ht.shape == (B, H, K, V)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    check(o, ht, q, k, v, g, beta, h0, 5e-3, **gate)
+
+    # GVA mode (HV > H)
+    HV = 4  # 2x more value heads than qk heads
+    v = torch.randn(B, T, HV, V, dtype=torch.bfloat16, device=device)
+    g = torch.rand(B, T, HV, K, dtype=torch.bfloat16, device=device)
+    beta = torch.rand(B, T, HV, dtype=torch.bfloat16, device=device)
+    h0 = torch.randn(B, HV, K, V, dtype=torch.float32, device=device)
+    A_log = torch.randn(HV, dtype=torch.float32, device=device)
+    dt_bias = torch.randn(HV * K, dtype=torch.float32, device=device)
+    o, ht = chunk_kda(
+        q, k, v, g, beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        initial_state=h0,
+        output_final_state=True
+    )
+    assert o.shape == (B, T, HV, V)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    check(o, ht, q, k, v, g, beta, h0, 5e-3, **gate)
+
+    # for variable-length inputs, the batch size `B` is expected to be 1 and `cu_seqlens` is required
+    q, k, v, beta, g = map(rearrange_b_t_to_1_bt, (q, k, v, beta, g))
+    # for a batch with 2 sequences, `cu_seqlens` with 3 start/end positions are expected
+    cu_seqlens = q.new_tensor([0, 100, 200], dtype=torch.long)
+    o_var, ht_var = chunk_kda(
+        q, k, v, g, beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu_seqlens
+    )
+    # packed == the fixed-length batch, bitwise (SPEC.md 4, exact equalities)
+    assert torch.equal(o_var, rearrange_b_t_to_1_bt(o)) and torch.equal(ht_var, ht)
+
+
+def test_fused_recurrent_kda_docstring_examples():
+    torch.manual_seed(1)
+    # inputs with equal lengths
+    B, T, H, HV, K, V = 2, 50, 2, 4, 32, 16
+    q = torch.randn(B, T, H, K, device=device)
+    k = F.normalize(torch.randn(B, T, H, K, device=device), p=2, dim=-1)
+    v = torch.randn(B, T, HV, V, device=device)
+    g = F.logsigmoid(torch.rand(B, T, HV, K, device=device))
+    beta = torch.rand(B, T, HV, device=device).sigmoid()
+    h0 = torch.randn(B, HV, K, V, device=device)
+    o, ht = fused_recurrent_kda(
+        q, k, v, g, beta,
+        initial_state=h0,
+        output_final_state=True
+    )
+    check(o, ht, q, k, v, g, beta, h0, 1e-5)
+    # for variable-length inputs, the batch size `B` is expected to be 1 and `cu_seqlens` is required
+    q, k, v, g, beta = map(rearrange_b_t_to_1_bt, (q, k, v, g, beta))
+    # for a batch with 2 sequences, `cu_seqlens` with 3 start/end positions are expected
+    cu_seqlens = q.new_tensor([0, 50, 100], dtype=torch.long)
+    o_var, ht_var = fused_recurrent_kda(
+        q, k, v, g, beta,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu_seqlens
+    )
+    assert torch.equal(o_var, rearrange_b_t_to_1_bt(o)) and torch.equal(ht_var, ht)
+
+
+def test_kimi_delta_attention_layer_calls():
+    """fla.layers.kda.KimiDeltaAttention: chunk mode (training / prefill, gate in kernel, varlen)
+    then fused_recurrent mode (decode, gate activated outside) continuing from the cache."""
+    torch.manual_seed(2)
+    T, H, K = 90, 2, 32
+    q = F.silu(torch.randn(1, T, H, K))
+    k = F.silu(torch.randn(1, T, H, K))
+    v = F.silu(torch.randn(1, T, H, K))
+    g = torch.randn(1, T, H, K)
+    beta = torch.randn(1, T, H).sigmoid()
+    A_log = torch.log(torch.empty(H, dtype=torch.float32).uniform_(1, 16)).requires_grad_()
+    dt_bias = torch.zeros(H * K, dtype=torch.float32).requires_grad_()
+    cu_seqlens = torch.tensor([0, 40, 90])
+    recurrent_state = None
+    use_cache = True
+    o, recurrent_state = chunk_kda(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=recurrent_state,
+        output_final_state=use_cache,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+    )
+    gate = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    check(o, recurrent_state, q, k, v, g, beta, None, 1e-5, cu_seqlens=cu_seqlens, **gate)
+    o.sum().backward()  # training: gradients reach the gate parameters
+    assert A_log.grad is not None and torch.isfinite(A_log.grad).all() and dt_bias.grad.abs().sum() > 0
+
+    # decode step: fused_kda_gate outside (g = -exp(A_log) * softplus(g + dt_bias)), then fused_recurrent_kda
+    q1, k1, v1 = (F.silu(torch.randn(1, 2, H, K)) for _ in range(3))
+    g1 = torch.randn(1, 2, H, K)
+    beta1 = torch.randn(1, 2, H).sigmoid()
+    g1_act = -A_log.detach().exp()[:, None] * F.softplus(g1 + dt_bias.detach().view(H, K))
+    o1, state1 = fused_recurrent_kda(
+        q=q1,
+        k=k1,
+        v=v1,
+        g=g1_act,
+        beta=beta1,
+        initial_state=recurrent_state.detach(),
+        output_final_state=use_cache,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=torch.tensor([0, 1, 2]),
+    )
+    check(o1, state1, q1, k1, v1, g1_act, beta1, recurrent_state, 1e-5, cu_seqlens=torch.tensor([0, 1, 2]),
+          use_qk_l2norm_in_kernel=True)
+
+
+def test_vllm_v_first_prefill_then_pool_decode():
+    """A V-first state written by prefill (chunk_kda, state_v_first=True) is read by decode
+    (fused_recurrent_kda_fwd with ssm_state_indices, in place) in the same layout; prefill + decode
+    equals one prefill over all the tokens."""
+    torch.manual_seed(3)
+    H, K, V, L = 2, 32, 16, 70
+    x = dict(q=torch.randn(1, L + 1, H, K), k=F.normalize(torch.randn(1, L + 1, H, K), dim=-1),
+             v=torch.randn(1, L + 1, H, V), g=F.logsigmoid(torch.randn(1, L + 1, H, K)),
+             beta=torch.rand(1, L + 1, H))
+    pre = {n: t[:, :L] for n, t in x.items()}
+    dec = {n: t[0, L:][:, None] for n, t in x.items()}  # [N=1, T=1, ...]
+    _, state = chunk_kda(**pre, output_final_state=True, state_v_first=True)
+    assert state.shape == (1, H, V, K)
+    pool = torch.zeros(4, H, V, K)
+    pool[2] = state[0]
+    o, pool_out = fused_recurrent_kda_fwd(**dec, initial_state=pool, inplace_final_state=True,
+                                          ssm_state_indices=torch.tensor([2], dtype=torch.int32),
+                                          state_v_first=True)
+    assert pool_out is pool
+    o_full, state_full = chunk_kda(**x, output_final_state=True, state_v_first=True)
+    assert_close(o[0, 0].numpy(), o_full[0, L].numpy(), 1e-5, "decode o")
+    assert_close(pool[2].numpy(), state_full[0].numpy(), 1e-5, "pool state")
+    # The K-first state is the transpose of the V-first one.
+    _, state_k = chunk_kda(**pre, output_final_state=True)
+    assert torch.equal(state_k, state.transpose(-1, -2))

@@ -1,0 +1,281 @@
+"""libkda.jax (issue 6): Tokamax's kimi_delta_attention contract (head-first) on XLA FFI custom
+calls. Forward and jax.grad against the fp64 oracle (SPEC.md section 4 bounds) and against a
+pure-JAX recurrence written here; jit, vmap (and vmap of grad), segment_ids with padding, the
+gate in kernel, bf16."""
+
+import numpy as np
+import pytest
+from conftest import BF16, BOUND, assert_close
+
+import libkda
+
+jax = pytest.importorskip("jax", reason="jax is not installed (pip install jax)")
+kj = pytest.importorskip("libkda.jax", reason="libkda.jax could not be imported")
+import jax.numpy as jnp  # noqa: E402
+
+F32 = np.dtype(np.float32)
+
+
+def grad_bound(dtype, name):
+    if dtype == F32:
+        return 1e-4
+    return 8e-3 if name in ("dq", "dk", "dv", "dh0") else 2e-2
+
+
+def bf(x):
+    """Head-first [H, B, T, ...] -> batch-first [B, T, H, ...] (float64, for the oracle)."""
+    return np.moveaxis(np.asarray(x, dtype=np.float64), 0, 2)
+
+
+def hf(x):
+    return np.moveaxis(np.asarray(x), 2, 0)
+
+
+def make(seed, H=2, HV=None, B=2, T=70, K=16, V=8, dtype=F32, gate="log", N=1):
+    rng = np.random.default_rng(seed)
+    HV = H if HV is None else HV
+    q = rng.standard_normal((H, B, T, K))
+    k = rng.standard_normal((H, B, T, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    v = rng.standard_normal((HV, B, T, V))
+    g = -np.exp(rng.normal(-2.5, 1.0, (HV, B, T, K))) if gate == "log" else rng.standard_normal((HV, B, T, K))
+    beta = rng.uniform(0, 1, (HV, B, T))
+    x = {n: a.astype(dtype) for n, a in dict(query=q, key=k, value=v, gate=g, beta=beta).items()}
+    extra = {}
+    if gate != "log":
+        extra = dict(a_log=np.log(rng.uniform(0.5, 4.0, HV)).astype(np.float32),
+                     delta_time_bias=(0.5 * rng.standard_normal(HV * K)).astype(np.float32))
+        if gate == "lower_bound":
+            extra["lower_bound"] = -5.0
+    h0 = rng.standard_normal((B, N, HV, K, V)).astype(np.float32)
+    return x, extra, h0
+
+
+def oracle_kwargs(extra, segment_ids, N):
+    kw = {}
+    if "a_log" in extra:
+        kw = dict(use_gate_in_kernel=True, A_log=extra["a_log"], dt_bias=extra["delta_time_bias"],
+                  lower_bound=extra.get("lower_bound"))
+    if segment_ids is not None:
+        kw.update(segment_ids=np.asarray(segment_ids, np.int32), max_num_segments=N)
+    return kw
+
+
+def oracle_states(h0, segment_ids):
+    """Tokamax [B, N, HV, K, V] -> the library's state shape for the oracle."""
+    return h0 if segment_ids is not None else h0[:, 0]
+
+
+def jax_reference(query, key, value, gate, beta, initial_state, segment_ids=None, use_qk_l2norm=False, scale=None):
+    """The recurrence of SPEC.md section 1, head-first, in pure JAX (lax.scan over time), with
+    segment_ids resets. Returns (output [HV, B, T, V], final_state [B, N, HV, K, V])."""
+    query, key, value, gate, beta = (jnp.asarray(a) for a in (query, key, value, gate, beta))
+    H, B, T, K = query.shape
+    HV = value.shape[0]
+    rep = HV // H
+    scale = K ** -0.5 if scale is None else scale
+    q = jnp.repeat(query.astype(jnp.float32), rep, axis=0)
+    k = jnp.repeat(key.astype(jnp.float32), rep, axis=0)
+    if use_qk_l2norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    N = initial_state.shape[1]
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+
+    def step(states, t):  # states [B, N, HV, K, V]
+        qt, kt, vt, gt, bt = q[:, :, t], k[:, :, t], value[:, :, t].astype(jnp.float32), gate[:, :, t], beta[:, :, t]
+        sid = seg[:, t]
+        slot = jnp.clip(sid - 1, 0, N - 1)
+        S = states[jnp.arange(B), slot]  # [B, HV, K, V]
+        S = S * jnp.exp(jnp.swapaxes(gt, 0, 1))[..., None]
+        kb = jnp.swapaxes(kt, 0, 1)
+        r = jnp.swapaxes(vt, 0, 1) - jnp.einsum("bhkv,bhk->bhv", S, kb)
+        S = S + jnp.swapaxes(bt, 0, 1)[..., None, None] * kb[..., None] * r[..., None, :]
+        o = jnp.einsum("bhkv,bhk->bhv", S, jnp.swapaxes(qt, 0, 1) * scale)
+        valid = (sid > 0)[:, None, None]
+        o = jnp.where(valid, o, 0.0)
+        S = jnp.where(valid[..., None], S, states[jnp.arange(B), slot])
+        states = states.at[jnp.arange(B), slot].set(S)
+        return states, jnp.swapaxes(o, 0, 1)
+
+    states, out = jax.lax.scan(step, initial_state.astype(jnp.float32), jnp.arange(T))
+    return jnp.moveaxis(out, 0, 2).astype(query.dtype), states
+
+
+def segments(B, T, lengths_per_row):
+    ids = np.zeros((B, T), np.int32)
+    for b, lengths in enumerate(lengths_per_row):
+        pos = 0
+        for i, n in enumerate(lengths):
+            ids[b, pos:pos + n] = i + 1
+            pos += n
+    return ids
+
+
+CASES = {
+    "fixed": dict(),
+    "gva_gate_softplus": dict(H=1, HV=2, gate="softplus"),
+    "segments_lower_bound": dict(gate="lower_bound", N=3, seg=[[20, 45], [70]]),  # padding, unused slots
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_vs_oracle(case, dtype):
+    spec = dict(CASES[case])
+    seg = spec.pop("seg", None)
+    x, extra, h0 = make(1, dtype=dtype, **spec)
+    B, T = x["query"].shape[1:3]
+    segment_ids = None if seg is None else segments(B, T, seg)
+    N = h0.shape[1]
+    o, fs = kj.kimi_delta_attention(**x, **extra, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm=True, use_gate_in_kernel=bool(extra), segment_ids=segment_ids)
+    assert o.dtype == dtype and o.shape == x["value"].shape
+    assert fs.dtype == jnp.float32 and fs.shape == h0.shape
+    ro, rfs = libkda.naive_recurrent_kda(
+        bf(x["query"]), bf(x["key"]), bf(x["value"]), bf(x["gate"]), bf(x["beta"]),
+        initial_state=oracle_states(h0, segment_ids), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        **oracle_kwargs(extra, segment_ids, N))
+    assert_close(np.asarray(o, np.float64), hf(ro), BOUND[dtype], "o")
+    fs = np.asarray(fs)
+    assert_close(fs if segment_ids is not None else fs[:, 0], rfs, BOUND[dtype], "final_state")
+    if segment_ids is not None:  # padding tokens: output exactly 0
+        assert not np.asarray(o, np.float32)[:, 0, 65:].any()
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["saved", "remat"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_grad_vs_oracle(dtype, remat):
+    x, extra, h0 = make(2, H=1, HV=2, T=90, dtype=dtype, gate="lower_bound", N=2)
+    segment_ids = segments(2, 90, [[33, 57], [10]])
+    rng = np.random.default_rng(3)
+    do = rng.standard_normal(x["value"].shape).astype(np.float32)
+    dht = rng.standard_normal(h0.shape).astype(np.float32)
+
+    def loss(query, key, value, gate, beta, a_log, delta_time_bias, initial_state):
+        o, fs = kj.kimi_delta_attention(query, key, value, gate, beta, a_log=a_log, delta_time_bias=delta_time_bias,
+                                        initial_state=initial_state, output_final_state=True, use_qk_l2norm=True,
+                                        use_gate_in_kernel=True, segment_ids=segment_ids, lower_bound=-5.0,
+                                        rematerialize_for_backward=remat)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(fs * dht)
+
+    args = (x["query"], x["key"], x["value"], x["gate"], x["beta"], extra["a_log"], extra["delta_time_bias"], h0)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(8))))(*args)
+    ref = libkda.naive_recurrent_kda_bwd(
+        bf(x["query"]), bf(x["key"]), bf(x["value"]), bf(x["gate"]), bf(x["beta"]), bf(do), dht,
+        initial_state=h0, use_qk_l2norm_in_kernel=True, **oracle_kwargs(extra, segment_ids, 2))
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
+    for name, arg, grad in zip(names, args, grads):
+        assert grad.shape == arg.shape and grad.dtype == arg.dtype, name
+        r = ref[name] if name in ("dA_log", "ddt_bias", "dh0") else hf(ref[name])
+        assert_close(np.asarray(grad, np.float64), r.reshape(grad.shape), grad_bound(dtype, name), name)
+
+
+def test_matches_pure_jax_reference_forward_and_grad():
+    x, _, h0 = make(4, H=2, B=2, T=50, N=2)
+    segment_ids = jnp.asarray(segments(2, 50, [[17, 30], [50]]))
+
+    def ours(q, k, v, g, b, s):
+        return kj.kimi_delta_attention(q, k, v, g, b, initial_state=s, output_final_state=True, use_qk_l2norm=True,
+                                       segment_ids=segment_ids)
+
+    def ref(q, k, v, g, b, s):
+        return jax_reference(q, k, v, g, b, s, segment_ids=segment_ids, use_qk_l2norm=True)
+
+    args = (x["query"], x["key"], x["value"], x["gate"], x["beta"], h0)
+    for a, b_, name in zip(ours(*args), ref(*args), ["o", "final_state"]):
+        assert_close(np.asarray(a), np.asarray(b_), 1e-5, name)
+
+    def loss(f):
+        return lambda *a: sum(jnp.sum(jnp.sin(t)) for t in f(*a))
+
+    g_ours = jax.grad(loss(ours), argnums=tuple(range(6)))(*args)
+    g_ref = jax.grad(loss(ref), argnums=tuple(range(6)))(*args)
+    for a, b_, name in zip(g_ours, g_ref, ["dq", "dk", "dv", "dg", "dbeta", "dh0"]):
+        assert_close(np.asarray(a), np.asarray(b_), 1e-4, name)
+
+
+def test_jit_matches_eager():
+    x, extra, h0 = make(5, gate="softplus")
+    f = lambda **kw: kj.kimi_delta_attention(**kw, **extra, initial_state=h0, output_final_state=True,
+                                             use_gate_in_kernel=True)
+    eager = f(**x)
+    jitted = jax.jit(f)(**x)
+    for a, b in zip(eager, jitted):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_vmap():
+    """vmap (method: expand_dims; unmapped operands broadcast in the handler, which loops over the
+    mapped axes) equals per-example calls bitwise, for the forward, nested vmap and grad."""
+    xs = [make(10 + i, B=1, T=40)[0] for i in range(3)]
+    h0 = make(9, B=1, T=40)[2]
+    stacked = {n: np.stack([x[n] for x in xs]) for n in ("query", "value")}
+    fixed = xs[0]
+
+    def f(query, value):
+        o, fs = kj.kimi_delta_attention(query, fixed["key"], value, fixed["gate"], fixed["beta"], initial_state=h0,
+                                        output_final_state=True)
+        return o, fs
+
+    o, fs = jax.vmap(f)(stacked["query"], stacked["value"])
+    assert o.shape == (3,) + fixed["value"].shape and fs.shape == (3,) + h0.shape
+    for i in range(3):
+        oi, fsi = f(stacked["query"][i], stacked["value"][i])
+        assert np.array_equal(np.asarray(o[i]), np.asarray(oi)) and np.array_equal(np.asarray(fs[i]), np.asarray(fsi))
+
+    # nested vmap: two leading axes on query, one on value (broadcast over the inner axis)
+    q2 = np.stack([stacked["query"], stacked["query"][::-1]])  # [2, 3, H, B, T, K]
+    o2, _ = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, 0))(q2, stacked["value"][:2])
+    assert o2.shape == (2, 3) + fixed["value"].shape
+    for a in range(2):
+        for b in range(3):
+            assert np.array_equal(np.asarray(o2[a, b]), np.asarray(f(q2[a, b], stacked["value"][a])[0]))
+
+    def loss(query, value):
+        o, fs = f(query, value)
+        return jnp.sum(o * o) + jnp.sum(fs)
+
+    gv = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))(stacked["query"], stacked["value"])
+    for i in range(3):
+        gi = jax.grad(loss, argnums=(0, 1))(stacked["query"][i], stacked["value"][i])
+        for a, b in zip(gv, gi):
+            assert np.array_equal(np.asarray(a[i]), np.asarray(b))
+
+
+def test_errors():
+    x, extra, h0 = make(6, N=2)
+    with pytest.raises(ValueError, match="max_num_segments"):
+        kj.kimi_delta_attention(**x, segment_ids=np.ones((2, 70), np.int32))
+    with pytest.raises(ValueError, match="one state per batch row"):
+        kj.kimi_delta_attention(**x, initial_state=h0)
+    with pytest.raises(ValueError, match="a_log"):
+        kj.kimi_delta_attention(**x, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="'gate'"):
+        kj.kimi_delta_attention(x["query"], x["key"], x["value"], x["gate"][..., :4], x["beta"])
+    with pytest.raises(Exception, match="'segment_ids'"):  # the library's data check, through the FFI
+        o, _ = kj.kimi_delta_attention(**x, segment_ids=segments(2, 70, [[10, 10], [5]])[:, ::-1].copy(),
+                                       max_num_segments=2)
+        o.block_until_ready()
+
+
+def test_float64_runs_the_oracle_and_check_grads():
+    """float64 (jax_enable_x64) runs the fp64 oracle forward and its exact adjoint, so
+    finite-difference gradient checks pass on a tiny case."""
+    if not hasattr(jax, "enable_x64"):
+        pytest.skip("this jax has no jax.enable_x64 context manager")
+    from jax.test_util import check_grads
+    rng = np.random.default_rng(7)
+    H, B, T, K, V = 1, 1, 7, 3, 2
+    with jax.enable_x64(True):
+        args = [jnp.asarray(rng.standard_normal(s)) for s in
+                [(H, B, T, K), (H, B, T, K), (H, B, T, V), (H, B, T, K), (H, B, T), (H,), (H * K,), (B, 1, H, K, V)]]
+
+        def f(q, k, v, g, beta, a_log, dt_bias, h0):
+            o, fs = kj.kimi_delta_attention(q, k, v, g, beta, a_log=a_log, delta_time_bias=dt_bias, initial_state=h0,
+                                            output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm=True)
+            assert o.dtype == jnp.float64 and fs.dtype == jnp.float64
+            return jnp.sum(jnp.sin(o)) + jnp.sum(fs * fs)
+
+        check_grads(f, args, order=1, modes=["rev"])

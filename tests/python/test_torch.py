@@ -1,0 +1,363 @@
+"""libkda.torch (issue 6): the PyTorch ops against the fp64 oracle (SPEC.md section 4 bounds),
+torch.library.opcheck on every op, torch.compile of a small KDA layer, fp64 gradcheck, the decode
+entry, zero-copy strided inputs and the error paths."""
+
+import numpy as np
+import pytest
+from conftest import BF16, BOUND, assert_close
+
+import libkda
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+kt = pytest.importorskip("libkda.torch", reason="libkda.torch could not be imported")
+
+F32 = np.dtype(np.float32)
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NP_OF = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: np.dtype(np.float16)}
+
+
+def to_np(t):
+    """A torch tensor as float64 numpy (bf16 values exactly)."""
+    return t.detach().to(torch.float64).numpy()
+
+
+def grad_bound(dtype, name):
+    if dtype == torch.float32:
+        return 1e-4
+    return 8e-3 if name in ("dq", "dk", "dv", "dh0") else 2e-2
+
+
+def make(seed, B=1, T=70, H=2, HV=None, K=16, V=8, dtype=torch.float32, gate="log", N=None, beta_logits=False):
+    """FLA batch-first inputs as torch tensors (and A_log / dt_bias for the gate in kernel)."""
+    g_ = torch.Generator().manual_seed(seed)
+    HV = H if HV is None else HV
+    rn = lambda *s: torch.randn(*s, generator=g_)
+    q = rn(B, T, H, K)
+    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1)
+    q = torch.nn.functional.normalize(q, dim=-1)
+    v = rn(B, T, HV, V)
+    if gate == "log":
+        g = -torch.exp(rn(B, T, HV, K) - 2.5)
+    else:
+        g = rn(B, T, HV, K)
+    beta = rn(B, T, HV) if beta_logits else torch.rand(B, T, HV, generator=g_)
+    x = dict(q=q, k=k, v=v, g=g, beta=beta)
+    x = {n: t.to(dtype) for n, t in x.items()}
+    extra = {}
+    if gate != "log":
+        extra["A_log"] = torch.log(torch.rand(HV, generator=g_) * 3 + 0.5)
+        extra["dt_bias"] = 0.5 * rn(HV * K)
+        if gate == "lower_bound":
+            extra["lower_bound"] = -5.0
+    n_states = B if N is None else N
+    h0 = rn(n_states, HV, K, V)
+    return x, extra, h0
+
+
+def oracle(x, extra, h0, do=None, dht=None, **kw):
+    """The numpy fp64 oracle on the same (dtype-rounded) values."""
+    xn = {n: to_np(t) for n, t in x.items()}
+    en = {n: (to_np(t) if torch.is_tensor(t) else t) for n, t in extra.items()}
+    kw = {n: (to_np(t) if torch.is_tensor(t) and t.is_floating_point() else
+              (t.numpy() if torch.is_tensor(t) else t)) for n, t in kw.items()}
+    h0n = None if h0 is None else to_np(h0)
+    if do is None:
+        return libkda.naive_recurrent_kda(**xn, **en, initial_state=h0n, output_final_state=True, **kw)
+    return libkda.naive_recurrent_kda_bwd(**xn, do=to_np(do), dht=None if dht is None else to_np(dht), **en,
+                                          initial_state=h0n, output_final_state=True, **kw)
+
+
+FORWARD_CASES = {
+    "fixed": dict(B=2),
+    "gva": dict(B=1, H=1, HV=2),
+    "gate_softplus": dict(gate="softplus"),
+    "gate_lower_bound": dict(gate="lower_bound"),
+}
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES), ids=list(TORCH_DTYPES))
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_forward_vs_oracle(case, dtype):
+    dt = TORCH_DTYPES[dtype]
+    x, extra, h0 = make(1, dtype=dt, **FORWARD_CASES[case])
+    kw = dict(use_gate_in_kernel=bool(extra))
+    o, ht = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw, **extra)
+    assert o.dtype == dt and o.shape == x["v"].shape
+    assert ht.dtype == torch.float32 and ht.shape == h0.shape
+    ro, rht = oracle(x, extra, h0, use_qk_l2norm_in_kernel=True, **kw)
+    assert_close(to_np(o), ro, BOUND[NP_OF[dt]], "o")
+    assert_close(to_np(ht), rht, BOUND[NP_OF[dt]], "final_state")
+
+
+def test_forward_varlen_vfirst_beta_sigmoid():
+    x, extra, _ = make(2, T=150, gate="softplus", beta_logits=True)
+    cu = torch.tensor([0, 37, 37, 100, 150], dtype=torch.int32)  # an empty segment, unaligned boundaries
+    h0 = torch.randn(4, 2, 8, 16, generator=torch.Generator().manual_seed(3))  # V-first [N, HV, V, K]
+    o, ht = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu, state_v_first=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                         chunk_size=32, **extra)
+    assert ht.shape == (4, 2, 8, 16)
+    ro, rht = oracle(x, extra, h0, cu_seqlens=cu, state_v_first=True, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    assert_close(to_np(o), ro, 1e-5, "o")
+    assert_close(to_np(ht), rht, 1e-5, "final_state")
+    # The empty segment's final state is its initial state.
+    assert torch.equal(ht[1], h0[1])
+
+
+@pytest.mark.parametrize("disable_recompute", [True, False], ids=["saved", "remat"])
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES), ids=list(TORCH_DTYPES))
+def test_gradients_vs_oracle(dtype, disable_recompute):
+    dt = TORCH_DTYPES[dtype]
+    x, extra, h0 = make(4, T=90, H=1, HV=2, dtype=dt, gate="lower_bound", N=3)
+    cu = torch.tensor([0, 20, 65, 90])
+    leaves = {n: t.clone().requires_grad_() for n, t in {**x, **extra, "h0": h0}.items() if torch.is_tensor(t)}
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
+    o, ht = kt.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
+                         dt_bias=leaves["dt_bias"], initial_state=leaves["h0"], output_final_state=True, cu_seqlens=cu,
+                         disable_recompute=disable_recompute, **kw)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(o.shape, generator=gen).to(dt)
+    dht = torch.randn(ht.shape, generator=gen)
+    torch.autograd.backward((o, ht), (do, dht))
+    ref = oracle(x, {"A_log": extra["A_log"], "dt_bias": extra["dt_bias"]}, h0, do=do, dht=dht, cu_seqlens=cu,
+                 use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
+    names = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "h0": "dh0", "A_log": "dA_log",
+             "dt_bias": "ddt_bias"}
+    for leaf, name in names.items():
+        grad = leaves[leaf].grad
+        assert grad is not None and grad.dtype == leaves[leaf].dtype and grad.shape == leaves[leaf].shape, name
+        assert_close(to_np(grad), ref[name], grad_bound(dt, name), name)
+
+
+def test_saved_and_remat_agree_bitwise():
+    x, extra, h0 = make(6, T=100, gate="softplus")
+    grads = []
+    for disable_recompute in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"], x["g"], x["beta"], h0)]
+        o, ht = kt.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, use_gate_in_kernel=True,
+                             disable_recompute=disable_recompute, **extra)
+        saved_states = o.grad_fn.saved_tensors[-1]  # the chunk states, or None (rematerialized)
+        if disable_recompute:
+            assert saved_states is not None and saved_states.shape == (2, 2, 16, 8)  # [NC, HV, K, V]
+        else:
+            assert saved_states is None
+        (o.square().sum() + ht.sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_head_first_views_are_read_in_place():
+    """Head-first [H, B, T, K] tensors transposed to FLA's batch-first layout are strided views;
+    the op reads them in place and gives bitwise the results of contiguous copies."""
+    x, _, h0 = make(7, B=2, T=50)
+    hf = {n: t.movedim(2, 0).contiguous() for n, t in x.items()}  # [H, B, T, ...] storage
+    views = {n: t.movedim(0, 2) for n, t in hf.items()}  # batch-first views of it
+    assert not views["q"].is_contiguous()
+    o1, h1 = kt.chunk_kda(**views, initial_state=h0, output_final_state=True)
+    o2, h2 = kt.chunk_kda(**x, initial_state=h0, output_final_state=True)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
+def test_return_intermediate_states():
+    x, _, h0 = make(8, B=2, T=100)
+    with torch.inference_mode():
+        o, ht, h = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, return_intermediate_states=True)
+    assert h.shape == (2, 2, 2, 16, 8) and h.dtype == torch.float32  # [B, NT, HV, K, V]
+    xn = {n: t.numpy() for n, t in x.items()}
+    ro, rht, rh = libkda.chunk_kda(**xn, initial_state=h0.numpy(), output_final_state=True,
+                                   return_intermediate_states=True)
+    assert np.array_equal(h.reshape(-1, 2, 16, 8).numpy(), rh)
+    assert torch.equal(h[:, 0], h0)  # the first chunk's entry is the initial state
+    cu = torch.tensor([0, 30, 100])
+    xv = {n: t[:1] for n, t in x.items()}
+    _, _, hv = kt.chunk_kda(**xv, cu_seqlens=cu, return_intermediate_states=True)
+    assert hv.shape == (1, 1 + 2, 2, 16, 8)  # ceil(30/64) + ceil(70/64) chunks
+
+
+def _decode_inputs(seed, N=3, T=1, H=2, K=16, V=8, slots=6):
+    g_ = torch.Generator().manual_seed(seed)
+    q = torch.randn(N, T, H, K, generator=g_)
+    k = torch.nn.functional.normalize(torch.randn(N, T, H, K, generator=g_), dim=-1)
+    v = torch.randn(N, T, H, V, generator=g_)
+    g = -torch.rand(N, T, H, K, generator=g_)
+    beta = torch.rand(N, T, H, generator=g_)
+    pool = torch.randn(slots, H, V, K, generator=g_)  # V-first pool (vLLM's layout)
+    return q, k, v, g, beta, pool
+
+
+def test_decode_in_place_matches_numpy_and_chunk():
+    q, k, v, g, beta, pool = _decode_inputs(9)
+    idx = torch.tensor([4, -1, 0], dtype=torch.int32)  # row 1 is padding
+    pool_np = pool.numpy().copy()
+    ref = pool.clone()
+    ptr = pool.data_ptr()
+    o, fs = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx,
+                                       use_qk_l2norm_in_kernel=True, state_v_first=True)
+    assert fs is pool and pool.data_ptr() == ptr  # updated in place
+    o_np = libkda.kda_decode(q.numpy(), k.numpy(), v.numpy(), g.numpy(), beta.numpy(), pool_np, idx.numpy(),
+                             use_qk_l2norm_in_kernel=True, state_v_first=True)
+    assert np.array_equal(o.numpy(), o_np) and np.array_equal(pool.numpy(), pool_np)
+    assert torch.equal(o[1], torch.zeros_like(o[1])) and torch.equal(pool[[1, 2, 3, 5]], ref[[1, 2, 3, 5]])
+    # Against the chunked path on the gathered states (the same recurrence, SPEC.md bound).
+    oc, hc = kt.chunk_kda(q[[0, 2]], k[[0, 2]], v[[0, 2]], g[[0, 2]], beta[[0, 2]], initial_state=ref[[4, 0]],
+                          output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True)
+    assert_close(o[[0, 2]].numpy(), oc.numpy(), 1e-5, "o")
+    assert_close(pool[[4, 0]].numpy(), hc.numpy(), 1e-5, "state")
+
+
+def test_decode_speculative_and_packed():
+    q, k, v, g, beta, pool = _decode_inputs(10, N=2, T=3, slots=8)
+    pool_np = pool.numpy().copy()
+    idx = torch.tensor([[1, 2, 3], [4, 5, -1]])
+    acc = torch.tensor([2, 1])
+    packed = [x.reshape(1, 6, *x.shape[2:]) for x in (q, k, v, g, beta)]  # vLLM: [1, N*T, ...] + cu_seqlens
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    o, _ = kt.fused_recurrent_kda(*packed, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=acc,
+                                  inplace_final_state=True, cu_seqlens=cu, state_v_first=True)
+    assert o.shape == (1, 6, 2, 8)
+    o_np = libkda.kda_decode(q.numpy(), k.numpy(), v.numpy(), g.numpy(), beta.numpy(), pool_np, idx.numpy(),
+                             num_accepted_tokens=acc.numpy(), state_v_first=True)
+    assert np.array_equal(o.reshape(2, 3, 2, 8).numpy(), o_np) and np.array_equal(pool.numpy(), pool_np)
+    with pytest.raises(NotImplementedError, match="same number of tokens"):
+        kt.fused_recurrent_kda(*packed, initial_state=pool, ssm_state_indices=idx[:, 0],
+                               cu_seqlens=torch.tensor([0, 2, 6]))
+
+
+def _opcheck(op, args):
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_opcheck_chunk_ops():
+    x, extra, h0 = make(11, T=40, H=1, HV=2, K=8, V=4, gate="lower_bound", N=3, beta_logits=True)
+    cu = torch.tensor([0, 10, 25, 40])
+    flags = kt._GATE | kt._L2NORM | kt._BETA_SIGMOID | kt._V_FIRST
+    h0 = h0.transpose(-1, -2).contiguous()
+    req = lambda t: t.clone().requires_grad_()
+    fwd_args = (req(x["q"]), req(x["k"]), req(x["v"]), req(x["g"]), req(x["beta"]), req(extra["A_log"]),
+                req(extra["dt_bias"]), req(h0), cu, None, -5.0, flags, 16, True, True)
+    _opcheck(torch.ops.libkda.chunk_kda_fwd.default, fwd_args)
+    # fixed length, remat, no optional inputs
+    xf, _, _ = make(12, B=2, T=33, K=8, V=4)
+    _opcheck(torch.ops.libkda.chunk_kda_fwd.default,
+             (xf["q"], xf["k"], xf["v"], xf["g"], xf["beta"], None, None, None, None, 0.3, None, 0, 32, False, False))
+    o, fs, cs = torch.ops.libkda.chunk_kda_fwd(*[a.detach() if torch.is_tensor(a) else a for a in fwd_args])
+    bwd_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], extra["A_log"], extra["dt_bias"], h0, cu, cs,
+                torch.randn_like(o), torch.randn_like(fs), None, -5.0, flags, 16)
+    _opcheck(torch.ops.libkda.chunk_kda_bwd.default, bwd_args)
+    _opcheck(torch.ops.libkda.chunk_kda_bwd.default, bwd_args[:9] + (None,) + bwd_args[10:11] + (None,) + bwd_args[12:])
+
+
+def test_opcheck_decode():
+    q, k, v, g, beta, pool = _decode_inputs(13, N=2, T=2)
+    idx = torch.tensor([[3, 1], [0, -1]])
+    _opcheck(torch.ops.libkda.decode.default,
+             (q, k, v, g, beta, None, None, pool, idx, torch.tensor([2, 1]), None, None, kt._V_FIRST))
+    A_log, dt_bias = torch.zeros(2), torch.zeros(2 * 16)
+    _opcheck(torch.ops.libkda.decode.default,
+             (q, k, v, g, beta, A_log, dt_bias, pool, idx[:, 0], None, 0.25, -3.0, kt._GATE | kt._V_FIRST))
+
+
+class _KDALayer(torch.nn.Module):
+    """A small KDA layer: projections, the libkda op (gate and l2norm in kernel), output projection."""
+
+    def __init__(self, D=32, H=2, K=16):
+        super().__init__()
+        self.H, self.K = H, K
+        self.q_proj = torch.nn.Linear(D, H * K, bias=False)
+        self.k_proj = torch.nn.Linear(D, H * K, bias=False)
+        self.v_proj = torch.nn.Linear(D, H * K, bias=False)
+        self.f_proj = torch.nn.Linear(D, H * K, bias=False)
+        self.b_proj = torch.nn.Linear(D, H, bias=False)
+        self.o_proj = torch.nn.Linear(H * K, D, bias=False)
+        self.A_log = torch.nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
+        self.dt_bias = torch.nn.Parameter(0.1 * torch.randn(H * K))
+
+    def forward(self, x, cu_seqlens=None):
+        B, T, _ = x.shape
+        shape = (B, T, self.H, self.K)
+        q = torch.nn.functional.silu(self.q_proj(x)).view(shape)
+        k = torch.nn.functional.silu(self.k_proj(x)).view(shape)
+        v = torch.nn.functional.silu(self.v_proj(x)).view(shape)
+        g = self.f_proj(x).view(shape)
+        beta = self.b_proj(x).sigmoid()
+        o, ht = kt.chunk_kda(q, k, v, g, beta, A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, output_final_state=True, cu_seqlens=cu_seqlens,
+                             disable_recompute=True)
+        return self.o_proj(o.reshape(B, T, -1)), ht
+
+
+def test_torch_compile_layer_matches_eager():
+    torch.manual_seed(0)
+    layer = _KDALayer()
+    x = torch.randn(1, 75, 32)
+    cu = torch.tensor([0, 30, 75])
+
+    def run(fn):
+        layer.zero_grad()
+        out, ht = fn(x, cu)
+        (out.square().sum() + ht.sum()).backward()
+        return out.detach(), ht.detach(), [p.grad.clone() for p in layer.parameters()]
+
+    ref = run(layer)
+    torch._dynamo.reset()
+    got = run(torch.compile(layer, fullgraph=True))  # inductor; fullgraph: no graph breaks
+    assert torch.equal(got[0], ref[0]) or torch.allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[2], ref[2]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradcheck_fp64():
+    """float64 inputs run the fp64 oracle forward and its exact adjoint."""
+    gen = torch.Generator().manual_seed(14)
+    B, T, H, K, V = 1, 6, 1, 3, 2
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H), (2, H, K, V), (H,), (H * K,)]
+    xs = [torch.randn(s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
+    cu = torch.tensor([0, 2, 6])
+
+    def f(q, k, v, g, beta, h0, A_log, dt_bias):
+        return kt.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                            use_beta_sigmoid_in_kernel=True)
+
+    o, ht = f(*xs)
+    assert o.dtype == torch.float64 and ht.dtype == torch.float64
+    assert torch.autograd.gradcheck(f, xs)
+
+
+def test_errors():
+    x, _, _ = make(15, T=10)
+    with pytest.raises(ValueError, match="'g'"):
+        kt.chunk_kda(x["q"], x["k"], x["v"], x["g"][:, :, :, :4], x["beta"])
+    with pytest.raises(ValueError, match="'q'"):
+        kt.chunk_kda(x["q"].to(torch.int32), x["k"], x["v"], x["g"], x["beta"])
+    with pytest.raises(ValueError, match="batch size is expected to be 1"):
+        kt.chunk_kda(*(t.expand(2, *t.shape[1:]) for t in x.values()), cu_seqlens=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        kt.chunk_kda(**x, allow_neg_eigval=True)
+    with pytest.raises(ValueError, match="A_log"):
+        kt.chunk_kda(**x, use_gate_in_kernel=True)
+    meta = {n: t.to("meta") for n, t in x.items()}
+    with pytest.raises(NotImplementedError, match="CPU backend only"):
+        kt.chunk_kda(**meta)
+    if torch.cuda.is_available():
+        cuda = {n: t.cuda() for n, t in x.items()}
+        with pytest.raises(NotImplementedError, match="no CUDA backend"):
+            kt.chunk_kda(**cuda)
+        with pytest.raises(NotImplementedError, match="no CUDA backend"):
+            torch.ops.libkda.chunk_kda_fwd(*cuda.values(), None, None, None, None, None, None, 0, 64, False, False)
+
+
+def test_eager_fast_path_matches_dispatcher():
+    """The public functions skip the dispatcher in plain eager mode; the registered op gives
+    bitwise the same results."""
+    x, extra, h0 = make(16, T=30, gate="softplus")
+    flags = kt._GATE
+    o1, fs1, _ = torch.ops.libkda.chunk_kda_fwd(*x.values(), extra["A_log"], extra["dt_bias"], h0, None, None, None,
+                                                flags, 64, True, False)
+    o2, fs2 = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, use_gate_in_kernel=True, **extra)
+    assert torch.equal(o1, o2) and torch.equal(fs1, fs2)
+    assert kt._eager_ok(x["q"]) and not kt._eager_ok(x["q"].to("meta"))
