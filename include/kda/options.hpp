@@ -35,6 +35,9 @@ struct Options {
   StateLayout state_layout = StateLayout::kKFirst;
   Path path = Path::kFused;
   int num_threads = 0;  // 0: all available cores
+  // CUDA backend (docs/CUDA.md): the cudaStream_t its kernels are queued on (null: the legacy
+  // default stream). The CPU backend ignores it.
+  void* cuda_stream = nullptr;
 };
 
 }  // namespace kda

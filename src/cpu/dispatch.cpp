@@ -10,6 +10,16 @@
 #include "cpu/cpu_plan.hpp"
 #include "kda/kda.hpp"
 
+// Calls with device pointers go to the CUDA backend, which says why when it cannot run one
+// (src/cuda/cuda_backend.hpp). Without it only host pointers are accepted (docs/CUDA.md).
+#if defined(KDA_HAVE_CUDA)
+#include "cuda/cuda_backend.hpp"
+#define KDA_ROUTE_TO_CUDA(params, call) \
+  if (::kda::cuda::uses_device(params)) return ::kda::cuda::call
+#else
+#define KDA_ROUTE_TO_CUDA(params, call) static_cast<void>(0)
+#endif
+
 namespace kda {
 namespace {
 
@@ -46,6 +56,7 @@ struct PlanStorage {
 void build_plan(const detail::Problem& p, PlanStorage& st);
 
 Status chunk_forward(const ForwardParams& params) {
+  KDA_ROUTE_TO_CUDA(params, chunk_forward(params));
   detail::Problem p;
   KDA_RETURN_IF_ERROR(detail::plan_forward(params, /*oracle=*/false, &p));
   PlanStorage st;
@@ -57,6 +68,7 @@ Status chunk_forward(const ForwardParams& params) {
 }
 
 Status decode(const DecodeParams& params) {
+  KDA_ROUTE_TO_CUDA(params, decode(params));
   detail::Problem p;
   KDA_RETURN_IF_ERROR(detail::plan_decode(params, &p));
 #if defined(KDA_HAVE_AVX512_TARGET)
@@ -66,11 +78,13 @@ Status decode(const DecodeParams& params) {
 }
 
 Status validate_backward(const BackwardParams& params) {
+  KDA_ROUTE_TO_CUDA(params, validate_backward(params));
   detail::Problem p;
   return detail::plan_backward(params, /*oracle=*/false, &p);
 }
 
 Status chunk_backward(const BackwardParams& params) {
+  KDA_ROUTE_TO_CUDA(params, chunk_backward(params));
   detail::Problem p;
   KDA_RETURN_IF_ERROR(detail::plan_backward(params, /*oracle=*/false, &p));
   PlanStorage st;
@@ -107,6 +121,7 @@ void build_plan(const detail::Problem& p, PlanStorage& st) {
 }
 
 Status forward_chunk_count(const ForwardParams& params, std::int64_t* num_chunks) {
+  KDA_ROUTE_TO_CUDA(params, forward_chunk_count(params, num_chunks));
   detail::Problem p;
   ForwardParams probe = params;
   probe.chunk_states = TensorView{};  // the count is what sizes it

@@ -177,11 +177,7 @@ KDA_BLOCK_FN inline void decode_block(const DecArgs& a, unsigned char* smem, i64
   }
 }
 
-#if defined(__CUDACC__)
-
-__global__ void __launch_bounds__(kThreads) decode_kernel(const DecArgs a);
-
-#else
+#if !defined(__CUDACC__)
 
 inline void emulate_decode(const DecArgs& a) {
   const DecLayout L = dec_layout(a.K);

@@ -23,6 +23,7 @@
 #define KDA_BLOCK_FN __device__
 #define KDA_PHASE(tid) for (int tid = static_cast<int>(threadIdx.x), kda_once_ = 1; kda_once_; kda_once_ = 0)
 #define KDA_SYNC() __syncthreads()
+#define KDA_UNROLL _Pragma("unroll")
 #else
 #include <cmath>
 #include <cstring>
@@ -31,6 +32,7 @@
 #define KDA_BLOCK_FN
 #define KDA_PHASE(tid) for (int tid = 0; tid < ::kda::cuda::kThreads; ++tid)
 #define KDA_SYNC() ((void)0)
+#define KDA_UNROLL
 #endif
 
 namespace kda::cuda {

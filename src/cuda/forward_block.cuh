@@ -351,20 +351,20 @@ struct FusedForward {
       KDA_PHASE(tid) {
         const int v = tid % VT, rg = tid / VT;
         float acc[RPT];
-#pragma unroll
+KDA_UNROLL
         for (int r = 0; r < RPT; ++r) {
           const int i = rg + NG * r;
           acc[r] = i < np ? X[i * ldx + v] : 0.0f;
         }
         for (int d = 0; d < K; ++d) {
           const float s = S[d * VT + v];
-#pragma unroll
+KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < np) acc[r] -= X[i * ldx + VT + d] * s;
           }
         }
-#pragma unroll
+KDA_UNROLL
         for (int r = 0; r < RPT; ++r) {
           const int i = rg + NG * r;
           if (i < np) X[i * ldx + v] = acc[r];
@@ -376,11 +376,11 @@ struct FusedForward {
       KDA_PHASE(tid) {
         const int v = tid % VT, rg = tid / VT;
         float acc[RPT];
-#pragma unroll
+KDA_UNROLL
         for (int r = 0; r < RPT; ++r) acc[r] = 0.0f;
         for (int d = 0; d < K; ++d) {
           const float s = S[d * VT + v];
-#pragma unroll
+KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < n) acc[r] += qn[i * ldk + d] * s;
@@ -388,14 +388,14 @@ struct FusedForward {
         }
         for (int j = 0; j < n; ++j) {
           const float vn = X[j * ldx + v];
-#pragma unroll
+KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < n && j <= i) acc[r] += aqk[i * C + j] * vn;
           }
         }
         if (v < vt) {
-#pragma unroll
+KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < n) {
@@ -412,20 +412,20 @@ struct FusedForward {
       KDA_PHASE(tid) {
         const int v = tid % VT, dg = tid / VT;
         float acc[DPT];
-#pragma unroll
+KDA_UNROLL
         for (int r = 0; r < DPT; ++r) {
           const int d = dg + NG * r;
           acc[r] = d < K ? glast[d] * S[d * VT + v] : 0.0f;
         }
         for (int i = 0; i < np; ++i) {
           const float vn = X[i * ldx + v];
-#pragma unroll
+KDA_UNROLL
           for (int r = 0; r < DPT; ++r) {
             const int d = dg + NG * r;
             if (d < K) acc[r] += kn[i * ldk + d] * vn;
           }
         }
-#pragma unroll
+KDA_UNROLL
         for (int r = 0; r < DPT; ++r) {
           const int d = dg + NG * r;
           if (d < K) S[d * VT + v] = acc[r];

@@ -1,0 +1,4 @@
+// Fused forward, configuration k128_f32 (src/cuda/plan.hpp, kFwdKernels).
+#include "cuda/forward_instance.cuh"
+
+KDA_FORWARD_INSTANCE(k128_f32, ::kda::cuda::FwdKernel::kK128F32)

@@ -1,0 +1,369 @@
+// Cases and oracle checks shared by the CUDA tests (tests/cpp/test_cuda.cpp, on a GPU) and by the
+// host emulation of the CUDA kernels (tests/cpp/test_cuda_emulation.cpp, everywhere): the CPU
+// suite's conformance cases (test_forward_oracle.cpp, test_varlen.cpp, test_decode.cpp) run
+// through an executor that takes host-side params, against the fp64 oracle with the SPEC.md
+// section 4 bounds.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace kda::test {
+
+struct NamedCase {
+  std::string name;
+  Case c;
+};
+inline void PrintTo(const NamedCase& c, std::ostream* os) { *os << c.name; }
+
+inline std::vector<std::int32_t> id_runs(std::initializer_list<int> lengths, int padding) {
+  std::vector<std::int32_t> ids;
+  int id = 1;
+  for (int len : lengths) {
+    ids.insert(ids.end(), static_cast<std::size_t>(len), id);
+    ++id;
+  }
+  ids.insert(ids.end(), static_cast<std::size_t>(padding), 0);
+  return ids;
+}
+
+// The forward conformance cases: shapes x dtypes, every option, packed sequences, extreme gates.
+inline std::vector<NamedCase> cuda_forward_cases() {
+  std::vector<NamedCase> out;
+  // Shapes (test_forward_oracle.cpp ShapeMatrix), fp32 with initial states and bf16 with the gate in kernel.
+  const std::int64_t Ts[] = {1, 15, 64, 65, 1000};
+  const std::pair<std::int64_t, std::int64_t> KVs[] = {{64, 64}, {60, 100}, {128, 128}, {256, 64}};
+  const std::pair<std::int64_t, std::int64_t> Hs[] = {{1, 1}, {3, 3}, {2, 4}, {2, 8}};
+  int cycle = 0;
+  for (auto T : Ts)
+    for (auto kv : KVs) {
+      auto hh = Hs[cycle++ % 4];
+      if (T == 1000 && hh.second > 4) hh = {1, 1};
+      Case c;
+      c.T = T, c.K = kv.first, c.V = kv.second, c.H = hh.first, c.HV = hh.second;
+      c.initial_state = true;
+      c.seed = static_cast<std::uint32_t>(T * 131 + c.K * 7 + c.V + c.HV);
+      const std::string shape = "T" + std::to_string(T) + "_K" + std::to_string(c.K) + "_V" + std::to_string(c.V) +
+                                "_H" + std::to_string(c.H) + "_HV" + std::to_string(c.HV);
+      out.push_back({"shape_" + shape + "_f32", c});
+      Case b = c;
+      b.dtype = DType::kBF16;
+      b.gate = Gate::kLowerBound;
+      b.initial_state = false;
+      b.seed = 1;
+      out.push_back({"shape_" + shape + "_bf16", b});
+    }
+  // Options (test_forward_oracle.cpp OptionMatrix) in every dtype.
+  struct Opt {
+    const char* name;
+    Gate gate;
+    bool l2norm, beta_sigmoid, neg_eig, h0, ht;
+    StateLayout layout;
+    int chunk;
+  };
+  const Opt opts[] = {
+      {"logdecay", Gate::kLogDecay, true, false, false, false, true, StateLayout::kKFirst, 64},
+      {"softplus", Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 64},
+      {"lowerbound", Gate::kLowerBound, true, false, false, true, true, StateLayout::kKFirst, 64},
+      {"no_l2norm", Gate::kLogDecay, false, false, false, true, true, StateLayout::kKFirst, 64},
+      {"beta_sigmoid", Gate::kSoftplus, true, true, false, false, true, StateLayout::kKFirst, 64},
+      {"neg_eigval", Gate::kLowerBound, true, true, true, true, true, StateLayout::kKFirst, 64},
+      {"vfirst", Gate::kLogDecay, true, false, false, true, true, StateLayout::kVFirst, 64},
+      {"no_states", Gate::kLogDecay, true, false, false, false, false, StateLayout::kKFirst, 64},
+      {"chunk32", Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 32},
+      {"chunk16", Gate::kLowerBound, false, true, false, true, true, StateLayout::kVFirst, 16},
+  };
+  for (const Opt& o : opts)
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      Case c;
+      c.T = 150, c.H = 2, c.HV = 4, c.K = 60, c.V = 100;
+      c.dtype = dt;
+      c.gate = o.gate, c.l2norm = o.l2norm, c.beta_sigmoid = o.beta_sigmoid, c.neg_eigval = o.neg_eig;
+      c.initial_state = o.h0, c.final_state = o.ht, c.layout = o.layout, c.chunk = o.chunk;
+      c.seed = 7;
+      out.push_back({std::string("option_") + o.name + "_" + dtype_name(dt), c});
+    }
+  // Packed sequences (test_varlen.cpp): cu_seqlens with boundaries anywhere and empty segments.
+  const std::pair<const char*, std::vector<std::int64_t>> cus[] = {
+      {"single_15", {0, 15}},
+      {"three_unaligned", {0, 256, 500, 1000}},
+      {"five_mixed", {0, 15, 100, 300, 1200, 2000}},
+      {"lengths_1_to_8", {0, 1, 3, 6, 10, 15, 21, 28, 36}},
+      {"empty_segments", {0, 0, 10, 10, 75, 75, 140}},
+      {"all_empty_but_one", {0, 0, 0, 33, 33}},
+  };
+  for (const auto& cu : cus)
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      Case c;
+      c.cu_seqlens = cu.second;
+      c.T = cu.second.back();
+      c.H = 1, c.HV = 2, c.K = 32, c.V = 48;
+      c.dtype = dt;
+      c.initial_state = true;
+      c.gate = Gate::kSoftplus;
+      out.push_back({std::string("cu_seqlens_") + cu.first + "_" + dtype_name(dt), c});
+    }
+  {
+    Case c;  // segment_ids with trailing padding and unused slots
+    c.segment_ids = id_runs({50, 70, 30}, 50);
+    c.T = 200, c.max_num_segments = 5, c.H = 2, c.HV = 2, c.K = 32, c.V = 32;
+    c.initial_state = true;
+    out.push_back({"segment_ids_padding_unused_slots", c});
+  }
+  {
+    Case c;  // [B, T] segment_ids, rows segmented differently
+    c.B = 2, c.T = 130;
+    c.segment_ids = id_runs({7, 1, 64, 58}, 0);
+    const auto row2 = id_runs({100}, 30);
+    c.segment_ids.insert(c.segment_ids.end(), row2.begin(), row2.end());
+    c.max_num_segments = 4, c.H = 1, c.HV = 3, c.K = 16, c.V = 24;
+    c.initial_state = true;
+    c.gate = Gate::kLowerBound;
+    out.push_back({"segment_ids_batch_rows", c});
+  }
+  {
+    Case c;  // [T] map broadcast over the batch, fp16
+    c.B = 3, c.T = 90;
+    c.segment_ids = id_runs({17, 40, 20}, 13);
+    c.max_num_segments = 3, c.H = 1, c.HV = 1, c.K = 24, c.V = 40;
+    c.dtype = DType::kF16;
+    out.push_back({"segment_ids_broadcast_f16", c});
+  }
+  // Extreme gates: g = -1000 on half the entries, 0 elsewhere (the pairwise path of the
+  // intra-chunk products), every kernel family.
+  for (auto kv : {std::pair<std::int64_t, std::int64_t>{64, 64}, {128, 128}, {200, 72}}) {
+    Case c;
+    c.T = 200, c.H = 1, c.HV = 2, c.K = kv.first, c.V = kv.second;
+    c.extreme_gates = true;
+    c.initial_state = true;
+    out.push_back({"extreme_gates_K" + std::to_string(c.K) + "_V" + std::to_string(c.V), c});
+  }
+  {
+    Case c;  // SPEC.md section 5 small shape, packed with four non-64-aligned segments, bf16
+    c.cu_seqlens = {0, 100, 333, 700, 1024};
+    c.T = 1024, c.H = 8, c.HV = 8, c.K = 128, c.V = 128;
+    c.dtype = DType::kBF16;
+    c.gate = Gate::kLowerBound;
+    c.initial_state = true;
+    out.push_back({"small_packed_bf16", c});
+  }
+  return out;
+}
+
+// Runs a forward executor on host-side params (its job: compute them, results in the host
+// outputs). Returns o, the final state and the chunk states as doubles.
+using ForwardExec = std::function<Status(const ForwardParams&)>;
+
+struct ExecResult {
+  std::vector<double> o, ht, cs;
+};
+
+inline ExecResult run_forward_exec(const Case& c, const Inputs& in, const ForwardExec& exec, bool oracle,
+                                   bool chunk_states) {
+  const DType out_dtype = oracle ? DType::kF64 : c.dtype;
+  const DType state_dtype = oracle ? DType::kF64 : DType::kF32;
+  const std::int64_t n = c.num_states();
+  const bool kf = c.layout == StateLayout::kKFirst;
+  HostTensor o(out_dtype, {c.B, c.T, c.HV, c.V});
+  o.fill(12345.0);  // every element must be written
+  HostTensor ht = kf ? HostTensor(state_dtype, {n, c.HV, c.K, c.V}) : HostTensor(state_dtype, {n, c.HV, c.V, c.K});
+  ht.fill(12345.0);
+  ForwardParams p = make_params(c, in, o, ht);
+  HostTensor cs;
+  if (chunk_states) {
+    std::int64_t nc = 0;
+    const Status s = forward_chunk_count(p, &nc);
+    EXPECT_TRUE(s.ok()) << s.message();
+    cs = kf ? HostTensor(state_dtype, {nc, c.HV, c.K, c.V}) : HostTensor(state_dtype, {nc, c.HV, c.V, c.K});
+    cs.fill(12345.0);
+    p.chunk_states = cs.view;
+  }
+  const Status s = oracle ? reference_forward(p) : exec(p);
+  EXPECT_TRUE(s.ok()) << s.message() << "\n" << c.describe();
+  ExecResult r;
+  r.o = o.to_double();
+  if (c.final_state) r.ht = ht.to_double();
+  if (chunk_states) r.cs = cs.to_double();
+  return r;
+}
+
+// o, the final state and the chunk states of `exec` against the fp64 oracle (SPEC.md section 4).
+inline void expect_exec_matches_oracle(const Case& c, const ForwardExec& exec, const std::string& what) {
+  const Inputs in = make_inputs(c);
+  const ExecResult ref = run_forward_exec(c, in, exec, true, true);
+  const ExecResult out = run_forward_exec(c, in, exec, false, true);
+  const double bound = forward_bound(c.dtype);
+  const Metric mo = compare(out.o, ref.o);
+  EXPECT_TRUE(mo.finite && mo.rel <= bound) << what << " o: " << mo.str() << " bound=" << bound << "\n" << c.describe();
+  if (c.final_state) {
+    const Metric mh = compare(out.ht, ref.ht);
+    EXPECT_TRUE(mh.finite && mh.rel <= bound) << what << " final_state: " << mh.str() << " bound=" << bound << "\n"
+                                              << c.describe();
+  }
+  const Metric mc = compare(out.cs, ref.cs);
+  EXPECT_TRUE(mc.finite && mc.rel <= bound) << what << " chunk_states: " << mc.str() << " bound=" << bound << "\n"
+                                            << c.describe();
+}
+
+// Decode (test_decode.cpp): a pool, slot maps, the oracle per row.
+struct DecodeCase {
+  std::string name;
+  Case c;  // B = N rows, T tokens per row
+  std::int64_t slots = 8;
+  std::vector<std::int64_t> idx;       // [N] or [N, T]
+  std::vector<std::int64_t> accepted;  // [N] or empty
+};
+inline void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+inline std::vector<DecodeCase> cuda_decode_cases() {
+  struct Opt {
+    const char* name;
+    DType dtype;
+    Gate gate;
+    bool l2norm, beta_sigmoid, neg_eig;
+    StateLayout layout;
+    std::int64_t H, HV, K, V;
+  };
+  const Opt opts[] = {
+      {"logdecay_f32", DType::kF32, Gate::kLogDecay, true, false, false, StateLayout::kKFirst, 2, 2, 32, 32},
+      {"softplus_grouped_vfirst", DType::kF32, Gate::kSoftplus, true, false, false, StateLayout::kVFirst, 2, 4, 48, 24},
+      {"lowerbound_beta_sigmoid", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kKFirst, 1, 2, 60, 100},
+      {"no_l2norm_bf16", DType::kBF16, Gate::kLogDecay, false, false, false, StateLayout::kVFirst, 1, 1, 128, 128},
+      {"f16_softplus", DType::kF16, Gate::kSoftplus, true, true, false, StateLayout::kKFirst, 2, 2, 16, 64},
+      {"k256_v256_bf16", DType::kBF16, Gate::kLowerBound, true, false, false, StateLayout::kKFirst, 1, 2, 256, 256},
+  };
+  std::vector<DecodeCase> out;
+  for (const Opt& o : opts) {
+    DecodeCase one;
+    one.c.B = 4, one.c.T = 1, one.c.H = o.H, one.c.HV = o.HV, one.c.K = o.K, one.c.V = o.V;
+    one.c.dtype = o.dtype, one.c.gate = o.gate, one.c.l2norm = o.l2norm, one.c.beta_sigmoid = o.beta_sigmoid;
+    one.c.neg_eigval = o.neg_eig, one.c.layout = o.layout;
+    one.idx = {5, 0, -1, 2};  // row 2 is padding
+    one.name = std::string(o.name) + "_single_token";
+    out.push_back(one);
+    DecodeCase draft = one;
+    draft.c.B = 3, draft.c.T = 4;
+    draft.slots = 16;
+    draft.idx = {1, 2, 3, 4, 5, 6, -1, 7, 8, 9, 10, 11};  // row 1 keeps no state after token 2
+    draft.accepted = {1, 2, 4};                           // row 1 reads slot 6, row 2 slot 11
+    draft.name = std::string(o.name) + "_draft_tokens";
+    out.push_back(draft);
+  }
+  return out;
+}
+
+struct DecodeData {
+  Inputs in;
+  HostTensor pool;  // [slots, HV, K, V] or V-first
+};
+
+inline DecodeData make_decode_data(const DecodeCase& dc) {
+  DecodeData d;
+  d.in = make_inputs(dc.c);
+  const Case& c = dc.c;
+  d.pool = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {dc.slots, c.HV, c.K, c.V})
+                                            : HostTensor(DType::kF32, {dc.slots, c.HV, c.V, c.K});
+  std::mt19937 rng(c.seed + 5);
+  std::normal_distribution<double> normal(0.0, 0.5);
+  for (std::int64_t i = 0; i < d.pool.numel(); ++i) d.pool.set(i, normal(rng));
+  return d;
+}
+
+inline DecodeParams make_decode_params(const DecodeCase& dc, DecodeData& d, HostTensor& o, HostTensor& idx,
+                                       HostTensor& acc) {
+  const Case& c = dc.c;
+  HostTensor ht;
+  ForwardParams f = make_params(c, d.in, o, ht);
+  DecodeParams p;
+  p.q = f.q, p.k = f.k, p.v = f.v, p.g = f.g, p.beta = f.beta, p.A_log = f.A_log, p.dt_bias = f.dt_bias;
+  p.o = o.view;
+  p.options = f.options;
+  p.state_pool = d.pool.view;
+  const bool per_token = static_cast<std::int64_t>(dc.idx.size()) == c.B * c.T && c.T > 1;
+  idx = per_token ? HostTensor(DType::kI64, {c.B, c.T}) : HostTensor(DType::kI32, {c.B});
+  for (std::size_t i = 0; i < dc.idx.size(); ++i) idx.set(static_cast<std::int64_t>(i), static_cast<double>(dc.idx[i]));
+  p.slot_indices = idx.view;
+  if (!dc.accepted.empty()) {
+    acc = HostTensor(DType::kI32, {c.B});
+    for (std::size_t i = 0; i < dc.accepted.size(); ++i) acc.set(static_cast<std::int64_t>(i), static_cast<double>(dc.accepted[i]));
+    p.num_accepted_tokens = acc.view;
+  }
+  return p;
+}
+
+// The expected o [N, T, HV, V] and pool after the decode: the fp64 oracle on each row.
+inline void oracle_decode(const DecodeCase& dc, const DecodeData& d, std::vector<double>* o_out,
+                          std::vector<double>* pool_out) {
+  const Case& c = dc.c;
+  std::vector<double>& eo = *o_out;
+  std::vector<double>& ep = *pool_out;
+  eo.assign(static_cast<std::size_t>(c.B * c.T * c.HV * c.V), 0.0);
+  ep = d.pool.to_double();
+  const std::vector<double> pool0 = ep;
+  const std::int64_t slot = c.HV * c.K * c.V;
+  const bool per_token = static_cast<std::int64_t>(dc.idx.size()) == c.B * c.T && c.T > 1;
+  const bool kf = c.layout == StateLayout::kKFirst;
+  for (std::int64_t n = 0; n < c.B; ++n) {
+    const std::int64_t first = dc.accepted.empty() ? 0 : dc.accepted[n] - 1;
+    const std::int64_t read = per_token ? dc.idx[n * c.T + first] : dc.idx[n];
+    if (read < 0) continue;
+    Case one = c;  // one row as a fixed-length sequence; chunk 1: chunk_states[t] = state before token t
+    one.B = 1;
+    one.chunk = 1;
+    one.initial_state = true;
+    one.final_state = true;
+    Inputs row = slice_sequence(c, d.in, n, 0, c.T, 0);
+    row.h0 = kf ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V}) : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
+    for (std::int64_t i = 0; i < slot; ++i) row.h0.set(i, pool0[read * slot + i]);
+    HostTensor o(DType::kF64, {1, c.T, c.HV, c.V});
+    HostTensor ht = kf ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V}) : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
+    HostTensor states = kf ? HostTensor(DType::kF64, {c.T, c.HV, c.K, c.V}) : HostTensor(DType::kF64, {c.T, c.HV, c.V, c.K});
+    ForwardParams f = make_params(one, row, o, ht);
+    f.chunk_states = states.view;
+    const Status s = reference_forward(f);
+    EXPECT_TRUE(s.ok()) << s.message();
+    for (std::int64_t i = 0; i < c.T * c.HV * c.V; ++i) eo[n * c.T * c.HV * c.V + i] = o.get(i);
+    for (std::int64_t t = 0; t < c.T; ++t) {
+      std::int64_t w = -1;
+      if (per_token) w = dc.idx[n * c.T + t];
+      else if (t == c.T - 1) w = read;
+      if (w < 0) continue;
+      for (std::int64_t i = 0; i < slot; ++i) ep[w * slot + i] = t + 1 < c.T ? states.get((t + 1) * slot + i) : ht.get(i);
+    }
+  }
+}
+
+using DecodeExec = std::function<Status(const DecodeParams&)>;
+
+// o and the pool of `exec` against the oracle; slots no row writes must stay bitwise unchanged.
+inline void expect_decode_exec_matches_oracle(const DecodeCase& dc, const DecodeExec& exec, const std::string& what) {
+  DecodeData d = make_decode_data(dc);
+  std::vector<double> eo, ep;
+  oracle_decode(dc, d, &eo, &ep);
+  const std::vector<double> before = d.pool.to_double();
+  HostTensor o(dc.c.dtype, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
+  o.fill(12345.0);
+  const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
+  const Status s = exec(p);
+  ASSERT_TRUE(s.ok()) << what << ": " << s.message();
+  const double bound = forward_bound(dc.c.dtype);
+  const Metric mo = compare(o.to_double(), eo);
+  EXPECT_TRUE(mo.finite && mo.rel <= bound) << what << " o: " << mo.str() << "\n" << dc.c.describe();
+  const std::vector<double> after = d.pool.to_double();
+  const Metric mp = compare(after, ep);
+  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << what << " pool: " << mp.str() << "\n" << dc.c.describe();
+  const std::int64_t slot = dc.c.HV * dc.c.K * dc.c.V;
+  for (std::int64_t s2 = 0; s2 < dc.slots; ++s2) {
+    bool written = false;
+    for (std::int64_t i = 0; i < slot; ++i)
+      if (ep[s2 * slot + i] != before[s2 * slot + i]) written = true;
+    if (written) continue;
+    for (std::int64_t i = 0; i < slot; ++i)
+      ASSERT_EQ(after[s2 * slot + i], before[s2 * slot + i]) << what << ": slot " << s2 << " is written by no row";
+  }
+}
+
+}  // namespace kda::test
