@@ -1,7 +1,7 @@
 """Per-call overhead of the libkda.torch ops for decode-sized calls, against the raw C++ binding
 (docs/PYTHON.md, "Zero copy and per-call overhead"). Run after `pip install .` with torch:
 
-    cd tests/python && python bench_torch_overhead.py [--runs 5]
+    python3 bench/torch_overhead.py [--runs 5]
 
 Prints, per path, the best per-call time (minimum over runs of the best of 9 timeit loops of 2000
 calls) in microseconds and the difference to the raw call.
