@@ -79,4 +79,19 @@ static inline T activate_beta(const Problem& p, T raw) {
   return p.beta_sigmoid ? T(p.beta_scale) * sigmoid(raw) : raw;
 }
 
+// The initial state of segment `seg`, value head hv, as T into S (K, V) row-major: the slot's
+// state (the pool slot with initial_state_indices), or zeros.
+template <typename T>
+static inline void read_initial_state(const Problem& p, const ForwardParams& prm, const Segment& seg, std::int64_t hv,
+                                      T* S) {
+  const std::int64_t slot = p.initial_slot(seg.state);
+  for (std::int64_t i = 0; i < p.K * p.V; ++i) S[i] = T(0);
+  if (!prm.initial_state.defined() || slot < 0) return;
+  const auto& a = p.init_addr;
+  const std::int64_t base = a.base(slot) + hv * a.stride_hv;
+  for (std::int64_t i = 0; i < p.K; ++i)
+    for (std::int64_t j = 0; j < p.V; ++j)
+      S[i * p.V + j] = load_as<T>(prm.initial_state.data, prm.initial_state.dtype, base + i * a.stride_k + j * a.stride_v);
+}
+
 }  // namespace kda::detail

@@ -116,14 +116,7 @@ Status reference_backward(const BackwardParams& prm) {
     for (std::int64_t hv = h * p.group; hv < (h + 1) * p.group; ++hv) {
       const Ctx c{p, f, detail::gate_params<double>(f, hv, K)};
       std::vector<double> S(KV, 0.0);
-      if (f.initial_state.defined() && p.initial_slot(seg.state) >= 0) {
-        const auto& a = p.init_addr;
-        const std::int64_t base = a.base(p.initial_slot(seg.state)) + hv * a.stride_hv;
-        for (std::int64_t i = 0; i < K; ++i)
-          for (std::int64_t j = 0; j < V; ++j)
-            S[i * V + j] = load_as<double>(f.initial_state.data, f.initial_state.dtype,
-                                           base + i * a.stride_k + j * a.stride_v);
-      }
+      detail::read_initial_state(p, f, seg, hv, S.data());
       // Checkpoints: the state before tokens 0, kCheckpoint, 2 kCheckpoint, ...
       const std::int64_t ncp = (L + kCheckpoint - 1) / kCheckpoint;
       std::vector<double> cps(static_cast<std::size_t>(ncp * KV));

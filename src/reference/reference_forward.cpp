@@ -31,14 +31,7 @@ Status reference_forward(const ForwardParams& prm) {
     const std::int64_t h = hv / p.group;
     const auto gp = detail::gate_params<double>(prm, hv, K);
     std::vector<double> S(K * V, 0.0), qt(K), kt(K), gt(K), r(V);  // S: (K, V)
-    if (prm.initial_state.defined() && p.initial_slot(seg.state) >= 0) {
-      const auto& a = p.init_addr;
-      const std::int64_t base = a.base(p.initial_slot(seg.state)) + hv * a.stride_hv;
-      for (std::int64_t i = 0; i < K; ++i)
-        for (std::int64_t j = 0; j < V; ++j)
-          S[i * V + j] = load_as<double>(prm.initial_state.data, prm.initial_state.dtype,
-                                         base + i * a.stride_k + j * a.stride_v);
-    }
+    detail::read_initial_state(p, prm, seg, hv, S.data());
     for (std::int64_t t = seg.start; t < seg.start + seg.length; ++t) {
       const std::int64_t b = seg.batch;
       if (prm.chunk_states.defined() && (t - seg.start) % p.chunk == 0) {

@@ -8,13 +8,6 @@
 namespace kda::test {
 namespace {
 
-void expect_bitwise(const std::vector<double>& a, const std::vector<double>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))))
-      FAIL() << what << ": first mismatch at flat index " << i << ": " << a[i] << " vs " << b[i];
-}
-
 std::vector<double> token_rows(const std::vector<double>& x, std::int64_t T, std::int64_t b, std::int64_t t0,
                                std::int64_t t1, std::int64_t B) {
   const std::int64_t row = static_cast<std::int64_t>(x.size()) / (B * T);

@@ -8,16 +8,6 @@
 namespace kda::test {
 namespace {
 
-// Exact equality of two result vectors, naming the first mismatch.
-void expect_bitwise(const std::vector<double>& a, const std::vector<double>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) {
-      FAIL() << what << ": first mismatch at flat index " << i << ": " << a[i] << " vs " << b[i];
-    }
-  }
-}
-
 Case packed_case(Path path, DType dtype) {
   Case c;
   c.cu_seqlens = {0, 15, 100, 300, 301, 301, 520};

@@ -154,6 +154,22 @@ Inputs slice_sequence(const Case& c, const Inputs& in, std::int64_t b, std::int6
   return out;
 }
 
+// [B*N, ...] flat state buffer viewed as [B, N, ...] for segment_ids calls.
+TensorView state_view(const Case& c, const TensorView& t) {
+  if (c.segment_ids.empty()) return t;
+  TensorView r = t;
+  r.ndim = 5;
+  for (int i = 4; i >= 2; --i) {
+    r.shape[i] = t.shape[i - 1];
+    r.strides[i] = t.strides[i - 1];
+  }
+  r.shape[0] = c.B;
+  r.shape[1] = c.max_num_segments;
+  r.strides[1] = t.strides[0];
+  r.strides[0] = t.strides[0] * c.max_num_segments;
+  return r;
+}
+
 ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTensor& ht) {
   ForwardParams p;
   p.q = in.q.view;
@@ -171,24 +187,8 @@ ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTe
   if (c.initial_state) p.initial_state = in.h0.view;
   p.o = o.view;
   if (c.final_state) p.final_state = ht.view;
-  // segment_ids states are [B, N, HV, ...]: reshape the flat [B*N, ...] buffers.
-  if (!c.segment_ids.empty()) {
-    auto five_d = [&](TensorView t) {
-      TensorView r = t;
-      r.ndim = 5;
-      for (int i = 4; i >= 2; --i) {
-        r.shape[i] = t.shape[i - 1];
-        r.strides[i] = t.strides[i - 1];
-      }
-      r.shape[0] = c.B;
-      r.shape[1] = c.max_num_segments;
-      r.strides[1] = t.strides[0];
-      r.strides[0] = t.strides[0] * c.max_num_segments;
-      return r;
-    };
-    if (c.initial_state) p.initial_state = five_d(p.initial_state);
-    if (c.final_state) p.final_state = five_d(p.final_state);
-  }
+  if (c.initial_state) p.initial_state = state_view(c, p.initial_state);
+  if (c.final_state) p.final_state = state_view(c, p.final_state);
   p.options.use_qk_l2norm_in_kernel = c.l2norm;
   p.options.use_gate_in_kernel = c.gate != Gate::kLogDecay;
   p.options.has_lower_bound = c.gate == Gate::kLowerBound;
@@ -224,6 +224,13 @@ std::string Metric::str() const {
   std::ostringstream os;
   os << "rel=" << rel << " max_abs=" << max_abs << " finite=" << finite;
   return os.str();
+}
+
+void expect_bitwise(const std::vector<double>& a, const std::vector<double>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))))
+      FAIL() << what << ": first mismatch at flat index " << i << ": " << a[i] << " vs " << b[i];
 }
 
 Metric compare(const std::vector<double>& out, const std::vector<double>& ref) {
@@ -269,23 +276,6 @@ Cotangents make_cotangents(const Case& c, std::uint32_t seed) {
   return ct;
 }
 
-namespace {
-// [B*N, ...] flat state buffer viewed as [B, N, ...] for segment_ids calls.
-TensorView state_view(const Case& c, const TensorView& t) {
-  if (c.segment_ids.empty()) return t;
-  TensorView r = t;
-  r.ndim = 5;
-  for (int i = 4; i >= 2; --i) {
-    r.shape[i] = t.shape[i - 1];
-    r.strides[i] = t.strides[i - 1];
-  }
-  r.shape[0] = c.B;
-  r.shape[1] = c.max_num_segments;
-  r.strides[1] = t.strides[0];
-  r.strides[0] = t.strides[0] * c.max_num_segments;
-  return r;
-}
-}  // namespace
 
 Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle, Residuals residuals,
                    bool want_dh0) {

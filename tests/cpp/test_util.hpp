@@ -164,6 +164,12 @@ struct Metric {
 };
 Metric compare(const std::vector<double>& out, const std::vector<double>& ref);
 
+// Exact equality (NaN equals NaN), naming the first mismatch.
+void expect_bitwise(const std::vector<double>& a, const std::vector<double>& b, const std::string& what);
+
+// A flat [B * N, ...] state buffer of a segment_ids case viewed as [B, N, ...] (else unchanged).
+TensorView state_view(const Case& c, const TensorView& t);
+
 // SPEC.md section 4 bound for o and the final state.
 inline double forward_bound(DType dtype) { return dtype == DType::kF32 ? 1e-5 : 5e-3; }
 
