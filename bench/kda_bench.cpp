@@ -595,7 +595,7 @@ int main(int argc, char** argv) {
     recs.insert(recs.end(), r.begin(), r.end());
   }
 
-  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s (% of limit) | peak MB | extra MB | residual MB | speed-up vs baseline |\n");
+  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s (%% of limit) | peak MB | extra MB | residual MB | speed-up vs baseline |\n");
   std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Record& r : recs) {
     char sp[32] = "-";
