@@ -3,6 +3,8 @@
 // every result as a percentage of the matching one.
 #include "machine_limits.hpp"
 
+#include "kda/memory.hpp"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -84,7 +86,9 @@ MachineLimits measure_limits(int threads) {
   // copy into a second array would also pay the write-allocate reads and understate what the
   // memory system moves for an in-place update.
   const std::int64_t n = 128ll << 20;
-  std::vector<float> a(static_cast<std::size_t>(n));
+  // Through the library's allocator, so pages are placed as they are for the library's tensors.
+  kda::Buffer buf(kda::allocate(static_cast<std::size_t>(n) * sizeof(float)));
+  float* a = static_cast<float*>(buf.get());
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<float>(i & 1023);
   std::vector<double> times;
