@@ -94,6 +94,23 @@ static inline vf vsoftplus(vf x) {
 
 static inline vf vsigmoid(vf x) { return vsplat(1.0f) / (vsplat(1.0f) + vexp(-x)); }
 
+// x <- x * rsqrt(sum(x^2) + 1e-6) (SPEC.md 1.3) with 16 partial sums: a scalar reduction would
+// be one dependent add per element.
+static inline void vl2normalize(float* x, std::int64_t n) {
+  vf acc = vsplat(0.0f);
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf v = vload(x + i);
+    acc += v * v;
+  }
+  float ss = 0.0f;
+  for (int l = 0; l < kLanes; ++l) ss += acc[l];
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const vf r = vsplat(1.0f / std::sqrt(ss + 1e-6f));
+  for (i = 0; i + kLanes <= n; i += kLanes) vstore(x + i, vload(x + i) * r);
+  for (; i < n; ++i) x[i] *= r[0];
+}
+
 // Applies f to n floats (n need not be a multiple of 16).
 template <typename F>
 static inline void map_rows(float* y, const float* x, std::int64_t n, F f) {
