@@ -217,6 +217,9 @@ template <bool kTransposed>
 static inline void unit_lower_solve(const float* L, std::int64_t ldl, float* X, std::int64_t ldx, std::int64_t rows,
                                     std::int64_t width) {
   std::int64_t c0 = 0;
+  // 8 accumulators: each step of j is a dependent FMA per accumulator, so fewer would leave the
+  // FMA units waiting on latency.
+  for (; c0 + 8 * kLanes <= width; c0 += 8 * kLanes) unit_lower_solve_cols<kTransposed, 8>(L, ldl, X + c0, ldx, rows);
   for (; c0 + 4 * kLanes <= width; c0 += 4 * kLanes) unit_lower_solve_cols<kTransposed, 4>(L, ldl, X + c0, ldx, rows);
   for (; c0 + 2 * kLanes <= width; c0 += 2 * kLanes) unit_lower_solve_cols<kTransposed, 2>(L, ldl, X + c0, ldx, rows);
   for (; c0 < width; c0 += kLanes) unit_lower_solve_cols<kTransposed, 1>(L, ldl, X + c0, ldx, rows);
