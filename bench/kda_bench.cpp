@@ -39,7 +39,7 @@ struct Config {
   std::string dtype = "bf16";
   int chunk = 64;
   int threads = 0;
-  int iters = 5, warmup = 1;
+  int iters = 7, warmup = 1;
   std::string json;
 };
 
