@@ -169,7 +169,9 @@ enum class Tri : std::uint8_t {
 static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const float* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
                         Tri tri = Tri::kFull) {
-  constexpr int kMR = 4;
+  // 6 rows x 64 columns of accumulators (24 of the 32 vector registers): each B vector loaded
+  // serves 6 FMAs.
+  constexpr int kMR = 6;
   for (std::int64_t i = 0; i < m; i += kMR) {
     const std::int64_t mr = m - i < kMR ? m - i : kMR;
     std::int64_t p0 = 0, p1 = kd, ni = n;
@@ -184,6 +186,8 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const f
     float* ci = c + i * ldc;
     const std::int64_t kdi = p1 - p0;
     switch (mr) {
+      case 6: gemm_rows<6>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 5: gemm_rows<5>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
       case 4: gemm_rows<4>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
       case 3: gemm_rows<3>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
       case 2: gemm_rows<2>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
