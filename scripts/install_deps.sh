@@ -13,6 +13,12 @@ if [ "$need_apt" = 1 ]; then
     cmake ninja-build g++ libgtest-dev libgomp1 python3 python3-pip python3-venv python3-dev >/dev/null
 fi
 PY="${PYTHON:-python3}"
-"$PY" -m pip install -q --disable-pip-version-check numpy ml_dtypes pytest "scikit-build-core>=0.10" "nanobind>=2" \
-  "torch>=2.4" "jax>=0.5" 2>&1 \
-  | grep -v "Running pip as the 'root' user" || true
+log=$(mktemp)
+# A failed install must fail the script (the torch/jax tests would otherwise only skip).
+if ! "$PY" -m pip install -q --disable-pip-version-check numpy ml_dtypes pytest "scikit-build-core>=0.10" \
+    "nanobind>=2" "torch>=2.4" "jax>=0.5" > "$log" 2>&1; then
+  cat "$log"
+  exit 1
+fi
+grep -v "Running pip as the 'root' user" "$log" || true
+rm -f "$log"
