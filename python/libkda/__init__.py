@@ -100,6 +100,19 @@ def _wrap(name, x, codes, expected, optional=True):
     return (x, code)
 
 
+def _wrap_token_inputs(q, k, v, g, beta, A_log, dt_bias, fl):
+    """The per-token tensors and gate parameters every entry takes, wrapped for the binding."""
+    return dict(
+        q=_wrap("q", q, _FLOAT_CODES, fl, optional=False),
+        k=_wrap("k", k, _FLOAT_CODES, fl, optional=False),
+        v=_wrap("v", v, _FLOAT_CODES, fl, optional=False),
+        g=_wrap("g", g, _FLOAT_CODES, fl, optional=False),
+        beta=_wrap("beta", beta, _FLOAT_CODES, fl, optional=False),
+        A_log=_wrap("A_log", A_log, _FLOAT_CODES, fl),
+        dt_bias=_wrap("dt_bias", dt_bias, _FLOAT_CODES, fl),
+    )
+
+
 def _dims(x, n):
     return isinstance(x, np.ndarray) and x.ndim == n
 
@@ -111,13 +124,7 @@ def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_
     """The forward's inputs and options as binding keyword arguments."""
     fl = _FLOAT_NAMES + (" (or float64 for the oracle)" if oracle else "")
     return dict(
-        q=_wrap("q", q, _FLOAT_CODES, fl, optional=False),
-        k=_wrap("k", k, _FLOAT_CODES, fl, optional=False),
-        v=_wrap("v", v, _FLOAT_CODES, fl, optional=False),
-        g=_wrap("g", g, _FLOAT_CODES, fl, optional=False),
-        beta=_wrap("beta", beta, _FLOAT_CODES, fl, optional=False),
-        A_log=_wrap("A_log", A_log, _FLOAT_CODES, fl),
-        dt_bias=_wrap("dt_bias", dt_bias, _FLOAT_CODES, fl),
+        **_wrap_token_inputs(q, k, v, g, beta, A_log, dt_bias, fl),
         cu_seqlens=_wrap("cu_seqlens", cu_seqlens, _INT_CODES, "int32 or int64"),
         segment_ids=_wrap("segment_ids", segment_ids, _INT_CODES, "int32"),
         initial_state=_wrap("initial_state", initial_state, _FLOAT_CODES, fl),
@@ -416,13 +423,7 @@ def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_token
     fl = _FLOAT_NAMES
     ints = "int32 or int64"
     args = dict(
-        q=_wrap("q", q, _FLOAT_CODES, fl, optional=False),
-        k=_wrap("k", k, _FLOAT_CODES, fl, optional=False),
-        v=_wrap("v", v, _FLOAT_CODES, fl, optional=False),
-        g=_wrap("g", g, _FLOAT_CODES, fl, optional=False),
-        beta=_wrap("beta", beta, _FLOAT_CODES, fl, optional=False),
-        A_log=_wrap("A_log", A_log, _FLOAT_CODES, fl),
-        dt_bias=_wrap("dt_bias", dt_bias, _FLOAT_CODES, fl),
+        **_wrap_token_inputs(q, k, v, g, beta, A_log, dt_bias, fl),
         slot_indices=_wrap("slot_indices", slot_indices, _INT_CODES, ints, optional=False),
         num_accepted_tokens=_wrap("num_accepted_tokens", num_accepted_tokens, _INT_CODES, ints),
         scale=None if scale is None else float(scale),

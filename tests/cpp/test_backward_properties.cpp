@@ -262,13 +262,7 @@ class StagedBackward : public ::testing::TestWithParam<std::tuple<Residuals, int
 
 TEST_P(StagedBackward, EqualsFusedBitwise) {
   const auto [residuals, chunk] = GetParam();
-  Case c;
-  c.cu_seqlens = {0, 15, 100, 100, 230, 301};
-  c.T = 301;
-  c.H = 2, c.HV = 4, c.K = 40, c.V = 24;
-  c.initial_state = true;
-  c.gate = Gate::kSoftplus;
-  c.beta_sigmoid = true;
+  Case c = packed_case(DType::kF32);
   c.chunk = chunk;
   const Inputs in = make_inputs(c);
   const Cotangents ct = make_cotangents(c, 13);
