@@ -89,8 +89,10 @@ TEST(Exact, SegmentIdsEqualCuSeqlensBitwise) {
 
 class FusedVsStaged : public ::testing::TestWithParam<std::tuple<DType, int>> {};
 
-// The staged path runs the same per-chunk arithmetic in the same order, so it agrees bitwise.
-TEST_P(FusedVsStaged, SameResultBitwise) {
+// The fused scan advances the state every 16 tokens, the staged path once per chunk: the same
+// sums in another order, so they agree to rounding (fp32, or the output dtype's last bit), and
+// bitwise at chunk size 16, where the order is the same.
+TEST_P(FusedVsStaged, AgreeToRounding) {
   const auto [dtype, chunk] = GetParam();
   Case c = packed_case(Path::kFused, dtype);
   c.chunk = chunk;
@@ -98,8 +100,15 @@ TEST_P(FusedVsStaged, SameResultBitwise) {
   const Outputs fused = run_forward(c, in, false);
   c.path = Path::kStaged;
   const Outputs staged = run_forward(c, in, false);
-  expect_bitwise(fused.o, staged.o, "o");
-  expect_bitwise(fused.ht, staged.ht, "final_state");
+  if (chunk == 16) {
+    expect_bitwise(fused.o, staged.o, "o");
+    expect_bitwise(fused.ht, staged.ht, "final_state");
+    return;
+  }
+  const Metric mo = compare(fused.o, staged.o), ms = compare(fused.ht, staged.ht);
+  EXPECT_TRUE(mo.finite && mo.rel <= (dtype == DType::kF32 ? 1e-6 : 1e-3)) << "o: " << mo.str();
+  EXPECT_TRUE(ms.finite && ms.rel <= 1e-6) << "final_state: " << ms.str();
+  if (std::getenv("KDA_TEST_VERBOSE")) std::printf("fused vs staged: o %s, state %s\n", mo.str().c_str(), ms.str().c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Exact, FusedVsStaged,

@@ -293,7 +293,11 @@ Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool o
     states = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {nc, c.HV, c.K, c.V})
                                               : HostTensor(DType::kF32, {nc, c.HV, c.V, c.K});
     fwd.chunk_states = states.view;
-    s = chunk_forward(fwd);
+    // The residual always comes from the fused forward, so backward paths compared with each
+    // other start from bitwise the same saved states.
+    ForwardParams producer = fwd;
+    producer.options.path = Path::kFused;
+    s = chunk_forward(producer);
     EXPECT_TRUE(s.ok()) << s.message();
   }
   BackwardParams bp;
