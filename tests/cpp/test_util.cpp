@@ -258,6 +258,7 @@ void expect_matches_oracle(const Case& c) {
   EXPECT_TRUE(mo.finite && mo.rel <= bound) << "o: " << mo.str() << " bound=" << bound << "\n" << c.describe();
   if (c.final_state) {
     const Metric mh = compare(out.ht, ref.ht);
+    if (std::getenv("KDA_TEST_VERBOSE")) std::printf("ht %s | %s\n", mh.str().c_str(), c.describe().c_str());
     EXPECT_TRUE(mh.finite && mh.rel <= bound) << "final_state: " << mh.str() << " bound=" << bound << "\n"
                                               << c.describe();
   }
