@@ -3,7 +3,7 @@
 //
 //   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]
 //             [--baseline] [--heads H] [--tokens T] [--batch N]
-//             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]
+//             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
 //
 // Peak memory comes from the library's accounting allocator: the benchmark allocates its inputs
@@ -38,6 +38,7 @@ struct Config {
   std::int64_t batch = 0;                      // decode: 0 = the batches 1, 16, 64, 256
   std::string dtype = "bf16";
   int chunk = 64;
+  bool bf16_dot = true;  // --fp32-products turns Options::bf16_dot_products off
   int threads = 0;
   int iters = 7, warmup = 1;
   std::string json;
@@ -48,7 +49,7 @@ struct Config {
                "kda-bench: %s\n"
                "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
                "                 [--baseline] [--heads H] [--tokens T] [--batch N (decode)]\n"
-               "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C]\n"
+               "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]\n"
                "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
                msg);
   std::exit(2);
@@ -79,6 +80,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--V") c.V = num();
     else if (a == "--dtype") c.dtype = next();
     else if (a == "--chunk") c.chunk = static_cast<int>(num());
+    else if (a == "--fp32-products") c.bf16_dot = false;
     else if (a == "--threads") c.threads = static_cast<int>(num());
     else if (a == "--iters") c.iters = static_cast<int>(num());
     else if (a == "--warmup") c.warmup = static_cast<int>(num());
@@ -207,6 +209,7 @@ struct Problem {
     fwd.options.has_lower_bound = true;
     fwd.options.lower_bound = -5.0f;
     fwd.options.chunk_size = cfg.chunk;
+    fwd.options.bf16_dot_products = cfg.bf16_dot;
     fwd.options.num_threads = cfg.threads;
     if (!backward) return;
     auto make = [](kda::DType dt, std::initializer_list<std::int64_t> shape) { return std::make_unique<Tensor>(dt, shape); };

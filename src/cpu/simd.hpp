@@ -124,12 +124,30 @@ static inline void map_rows(float* y, const float* x, std::int64_t n, F f) {
   }
 }
 
-// C (m x n, ldc) += alpha * A (m x kd) * B (kd x n, ldb), n a multiple of 16.
-// A(i, p) = a[i * ars + p * acs]. With a_lower, A(i, p) = 0 for p > i and is not read.
-// Register-blocked: MR rows x NV vectors of accumulators.
-template <int MR, int NV>
-static inline void gemm_tile(std::int64_t kd, const float* a, std::int64_t ars, std::int64_t acs, const float* b,
-                             std::int64_t ldb, float* c, std::int64_t ldc, float alpha) {
+// How a product step multiplies: the fp32 FMA, or (bf16 inputs, AVX512_BF16) a bf16 pair dot
+// product, where one A element is a 32-bit word holding two bf16 values consecutive along the
+// reduction dimension and each B row holds the matching pairs of 16 columns (pack_pairs_bf16).
+struct F32Fma {
+  using A = float;
+  static vf step(vf acc, float a, vf b) { return acc + vsplat(a) * b; }
+};
+#ifdef KDA_BF16_DOT
+struct Bf16Dot {
+  using A = std::uint32_t;
+  static vf step(vf acc, std::uint32_t a, vf b) {
+    return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
+                                                 reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(a))),
+                                                 reinterpret_cast<__m512bh>(b)));
+  }
+};
+#endif
+
+// C (m x n, ldc) += alpha * A (m x kd) * B (kd x n, ldb), n a multiple of 16 (kd counts pairs
+// with Bf16Dot). A(i, p) = a[i * ars + p * acs]. With a_lower, A(i, p) = 0 for p > i and is not
+// read. Register-blocked: MR rows x NV vectors of accumulators.
+template <int MR, int NV, typename Op>
+static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int64_t ars, std::int64_t acs,
+                             const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha) {
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vsplat(0.0f);
@@ -137,8 +155,8 @@ static inline void gemm_tile(std::int64_t kd, const float* a, std::int64_t ars, 
     vf bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = vload(b + p * ldb + v * kLanes);
     for (int r = 0; r < MR; ++r) {
-      const vf av = vsplat(a[r * ars + p * acs]);
-      for (int v = 0; v < NV; ++v) acc[r][v] += av * bv[v];
+      const typename Op::A av = a[r * ars + p * acs];
+      for (int v = 0; v < NV; ++v) acc[r][v] = Op::step(acc[r][v], av, bv[v]);
     }
   }
   const vf al = vsplat(alpha);
@@ -149,13 +167,14 @@ static inline void gemm_tile(std::int64_t kd, const float* a, std::int64_t ars, 
     }
 }
 
-template <int MR>
-static inline void gemm_rows(std::int64_t n, std::int64_t kd, const float* a, std::int64_t ars, std::int64_t acs,
-                             const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha) {
+template <int MR, typename Op>
+static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
+                             std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                             float alpha) {
   std::int64_t j = 0;
-  for (; j + 4 * kLanes <= n; j += 4 * kLanes) gemm_tile<MR, 4>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
-  for (; j + 2 * kLanes <= n; j += 2 * kLanes) gemm_tile<MR, 2>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
-  for (; j < n; j += kLanes) gemm_tile<MR, 1>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes) gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) gemm_tile<MR, 2, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
+  for (; j < n; j += kLanes) gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha);
 }
 
 // Which part of a product is needed, so triangular operands and outputs cost half.
@@ -166,7 +185,8 @@ enum class Tri : std::uint8_t {
   kCLower,  // only C(i, j) for j <= i is needed (columns up to the row's 16-column tile)
 };
 
-static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const float* a, std::int64_t ars,
+template <typename Op = F32Fma>
+static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
                         Tri tri = Tri::kFull) {
   // 6 rows x 64 columns of accumulators (24 of the 32 vector registers): each B vector loaded
@@ -181,20 +201,65 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const f
       const std::int64_t cols = (i + mr + kLanes - 1) / kLanes * kLanes;
       ni = cols < n ? cols : n;
     }
-    const float* ai = a + i * ars + p0 * acs;
+    const typename Op::A* ai = a + i * ars + p0 * acs;
     const float* bi = b + p0 * ldb;
     float* ci = c + i * ldc;
     const std::int64_t kdi = p1 - p0;
     switch (mr) {
-      case 6: gemm_rows<6>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
-      case 5: gemm_rows<5>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
-      case 4: gemm_rows<4>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
-      case 3: gemm_rows<3>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
-      case 2: gemm_rows<2>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
-      default: gemm_rows<1>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 6: gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 5: gemm_rows<5, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 4: gemm_rows<4, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 3: gemm_rows<3, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      case 2: gemm_rows<2, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
+      default: gemm_rows<1, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha); break;
     }
   }
 }
+
+#ifdef KDA_BF16_DOT
+// dst (ceil(rows / 2), n; ld ldd) 32-bit words: bf16(src[2p][j]) | bf16(src[2p + 1][j]) << 16,
+// round to nearest even; a missing last row reads as 0. Any n (a partial last vector is masked).
+// This is the B layout of Bf16Dot, and (read with a stride) its A layout when the pairs run down
+// a column.
+static inline void pack_pairs_bf16(const float* src, std::int64_t rows, std::int64_t n, std::int64_t lds,
+                                   std::uint32_t* dst, std::int64_t ldd) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (std::int64_t p = 0; 2 * p < rows; ++p) {
+    const float* lo = src + 2 * p * lds;
+    const bool has_hi = 2 * p + 1 < rows;
+    for (std::int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 m = n - j >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 l = _mm512_maskz_loadu_ps(m, lo + j);
+      const __m512 h = has_hi ? _mm512_maskz_loadu_ps(m, lo + lds + j) : _mm512_setzero_ps();
+      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(h, l));  // [l0..l15 | h0..h15]
+      _mm512_mask_storeu_epi32(dst + p * ldd + j, m, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+// dst (rows, ceil(cols / 2); ld ldd) 32-bit words: each row's bf16 values in order, pairs along
+// the row (the A layout of Bf16Dot); an odd last column pairs with 0.
+static inline void pack_rows_bf16(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t lds,
+                                  std::uint32_t* dst, std::int64_t ldd) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const float* s = src + i * lds;
+    std::uint32_t* d = dst + i * ldd;
+    std::int64_t c = 0;
+    for (; c + 2 * kLanes <= cols; c += 2 * kLanes)
+      _mm512_storeu_si512(d + c / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + kLanes),
+                                                                                   _mm512_loadu_ps(s + c))));
+    if (c < cols) {
+      float tail[2 * kLanes] = {};
+      for (std::int64_t x = c; x < cols; ++x) tail[x - c] = s[x];
+      alignas(64) std::uint32_t out[kLanes];
+      _mm512_store_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tail + kLanes),
+                                                                            _mm512_loadu_ps(tail))));
+      for (std::int64_t x = 0; x < (cols - c + 1) / 2; ++x) d[c / 2 + x] = out[x];
+    }
+  }
+}
+#endif
 
 // X <- (I + L)^-1 X (kTransposed = false: forward substitution) or (I + L)^-T X (true: back
 // substitution), L strictly lower triangular (rows, rows; ld ldl), X (rows, width; ld ldx),

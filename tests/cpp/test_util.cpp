@@ -196,6 +196,7 @@ ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTe
   p.options.use_beta_sigmoid_in_kernel = c.beta_sigmoid;
   p.options.allow_neg_eigval = c.neg_eigval;
   p.options.chunk_size = c.chunk;
+  p.options.bf16_dot_products = c.bf16_dot_products;
   p.options.state_layout = c.layout;
   p.options.path = c.path;
   p.options.num_threads = c.threads;

@@ -39,6 +39,7 @@ struct Case {
   bool final_state = true;
   StateLayout layout = StateLayout::kKFirst;
   int chunk = 64;
+  bool bf16_dot_products = true;  // Options::bf16_dot_products
   Path path = Path::kFused;
   int threads = 0;
   std::vector<std::int64_t> cu_seqlens;  // empty: not used
