@@ -257,7 +257,8 @@ namespace kda::test {
 namespace {
 
 // The staged backward (the baseline: state cotangents of every chunk materialized, then every
-// chunk's gradients in parallel) runs the same chunk functions: bitwise the fused result.
+// chunk's gradients in parallel) runs the same chunk functions: bitwise the fused result from the
+// same saved states (and at chunk size 16, where both rebuild states alike).
 class StagedBackward : public ::testing::TestWithParam<std::tuple<Residuals, int>> {};
 
 TEST_P(StagedBackward, EqualsFusedBitwise) {
@@ -269,6 +270,18 @@ TEST_P(StagedBackward, EqualsFusedBitwise) {
   const Grads fused = run_backward(c, in, ct, false, residuals);
   c.path = Path::kStaged;
   const Grads staged = run_backward(c, in, ct, false, residuals);
+  if (residuals == Residuals::kRemat && chunk != 16) {
+    // Each path rebuilds the states the way its own forward computes them (fused: 16-token
+    // blocks; staged: whole chunks), so the two start from states equal only to rounding.
+    for (const auto& [out, ref, name] : {std::tuple{&fused.dq, &staged.dq, "dq"}, std::tuple{&fused.dk, &staged.dk, "dk"},
+                                         std::tuple{&fused.dv, &staged.dv, "dv"}, std::tuple{&fused.dg, &staged.dg, "dg"},
+                                         std::tuple{&fused.dbeta, &staged.dbeta, "dbeta"},
+                                         std::tuple{&fused.dh0, &staged.dh0, "dh0"}}) {
+      const Metric m = compare(*out, *ref);
+      EXPECT_TRUE(m.finite && m.rel <= 1e-5) << name << ": " << m.str();
+    }
+    return;
+  }
   expect_bitwise(fused.dq, staged.dq, "dq");
   expect_bitwise(fused.dk, staged.dk, "dk");
   expect_bitwise(fused.dv, staged.dv, "dv");
