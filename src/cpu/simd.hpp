@@ -21,6 +21,29 @@ static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // (on an FMA port) before every broadcast.
 static inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+// The first n (<= 16) lanes from p, the rest zero; and the matching partial store. For rows
+// whose length is not a multiple of 16 and that have no padding to read into.
+static inline vf vload_n(const float* p, std::int64_t n) {
+  if (n >= kLanes) return vload(p);
+  float t[kLanes] = {};
+  std::memcpy(t, p, sizeof(float) * n);
+  return vload(t);
+}
+static inline void vstore_n(float* p, vf v, std::int64_t n) {
+  if (n >= kLanes) return vstore(p, v);
+  float t[kLanes];
+  vstore(t, v);
+  std::memcpy(p, t, sizeof(float) * n);
+}
+// Sum of the 16 lanes, pairwise.
+static inline float vsum(vf v) {
+  float t[kLanes];
+  vstore(t, v);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
+}
+
 // e^x, about 1 ulp (Cephes expf polynomial with a two-part ln 2). Results below FLT_MIN
 // flush to exactly 0 (no denormals), +-inf and NaN propagate, overflow gives +inf.
 static inline vf vexp(vf x) {
