@@ -3,7 +3,9 @@
 ``kimi_delta_attention`` takes Tokamax's head-first contract (query / key ``[H, B, T, K]``, value
 ``[HV, B, T, V]``, gate ``[HV, B, T, K]``, beta ``[HV, B, T]``, states ``[B, N, HV, K, V]``,
 ``segment_ids [B, T]`` 1-indexed with 0 = padding) and runs libkda's CPU kernels through XLA FFI
-custom calls (``jax.ffi.ffi_call``; the handlers are python/src/jax_ffi.cpp). The head-first
+custom calls (``jax.ffi.ffi_call``; the handlers are python/src/jax_ffi.cpp). Tokamax's batch-first
+``tokamax/_src/ops/kda/api.py`` contract (q ``[B, T, H, K]``, state ``[B, H, K, V]``) is
+``libkda.jax.kda.kimi_delta_attention`` (also ``kimi_delta_attention_batch_first``). The head-first
 buffers are read in place through strides, never transposed. Differentiation is a
 ``jax.custom_vjp`` whose backward is libkda's C++ backward. Works under ``jit``, ``grad`` and
 ``vmap``: the custom calls use ``vmap_method="expand_dims"`` -- under ``vmap`` mapped operands
@@ -16,6 +18,8 @@ Only the CPU platform is registered (there is no CUDA backend yet).
 from __future__ import annotations
 
 import functools
+import sys
+import types
 from typing import NamedTuple
 
 import jax
@@ -24,7 +28,7 @@ import numpy as np
 
 from . import _libkda
 
-__all__ = ["kimi_delta_attention"]
+__all__ = ["kimi_delta_attention", "kimi_delta_attention_batch_first", "kda"]
 
 if not hasattr(_libkda, "jax_ffi_targets"):
     raise ImportError(
@@ -186,6 +190,82 @@ def _kda_bwd(cfg, residuals, cotangents):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
+# Tokamax's implementation names (tokamax/_src/ops/experimental/kda/api.py: "xla", "mosaic",
+# registered as "mosaic_tpu"; older versions "pallas_tpu"). Every one runs libkda's kernels here.
+_IMPLEMENTATIONS = ("xla", "mosaic", "mosaic_tpu", "pallas_tpu")
+
+# The libkda options beyond Tokamax's signature (through **options), with their defaults.
+_EXTENSIONS = dict(chunk_size=64, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                   rematerialize_for_backward=False)
+# The older experimental API's keywords (A_log, dt_bias, ...) -> the current names.
+_ALIASES = dict(A_log="a_log", dt_bias="delta_time_bias", use_qk_l2norm_in_kernel="use_qk_l2norm",
+                N_max="max_num_segments", cp_context="context_parallel_metadata")
+_LEGACY = ("safe_gate", "disable_recompute")
+
+
+def _implementations(implementation, accepted):
+    if implementation is None:
+        return
+    impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    if not impls:
+        raise ValueError("`implementation` must not be an empty sequence.")
+    for impl in impls:
+        if impl not in accepted:
+            raise ValueError(f"Unknown implementation: {impl}")
+
+
+def _check_context_parallel(metadata):
+    """Runs with no metadata or metadata whose mesh axis (``axis_name``, default "context") has
+    one device; real context parallelism raises NotImplementedError."""
+    if metadata is None:
+        return
+    axis = getattr(metadata, "axis_name", "context")
+    mesh = getattr(metadata, "mesh", None)
+    size = None
+    if mesh is not None:
+        size = dict(mesh.shape).get(axis)
+        if size is None:
+            raise ValueError(f"context_parallel_metadata: its mesh has no axis {axis!r} (axes {tuple(mesh.shape)})")
+    enabled = getattr(metadata, "is_cp_enabled", None)
+    if enabled is None:
+        if size is None:
+            raise TypeError("context_parallel_metadata: expected Tokamax's ContextParallelMetadata (a `mesh` with "
+                            f"a {axis!r} axis), got {type(metadata).__name__}")
+        enabled = size > 1
+    if enabled:
+        raise NotImplementedError(
+            f"libkda.jax.kimi_delta_attention: context parallelism is not supported (the mesh axis {axis!r} has "
+            f"{size if size is not None else 'more than one'} devices); pass None or a mesh whose {axis!r} axis has "
+            f"size 1, or run the whole sequence on one device")
+
+
+def _options(options, given):
+    """Splits **options into libkda's extensions and the older API's aliases (validated).
+    given: the current-API keywords the caller set (name -> value, non-default ones only)."""
+    ext = dict(_EXTENSIONS)
+    renamed = {}
+    legacy = {}
+    for key, value in options.items():
+        if key in _EXTENSIONS:
+            ext[key] = value
+        elif key in _ALIASES:
+            new = _ALIASES[key]
+            if new in given:
+                raise TypeError(f"kimi_delta_attention() got both `{new}` and its older alias `{key}`")
+            renamed[new] = value
+        elif key in _LEGACY:
+            legacy[key] = value
+        else:
+            raise TypeError(f"kimi_delta_attention() got an unexpected keyword argument {key!r}")
+    if "disable_recompute" in legacy:
+        remat = not legacy["disable_recompute"]
+        if "rematerialize_for_backward" in options and bool(options["rematerialize_for_backward"]) != remat:
+            raise ValueError("`disable_recompute` and `rematerialize_for_backward` disagree "
+                             "(rematerialize_for_backward = not disable_recompute)")
+        ext["rematerialize_for_backward"] = remat
+    return ext, renamed, legacy.get("safe_gate")
+
+
 def kimi_delta_attention(
     query,
     key,
@@ -204,13 +284,11 @@ def kimi_delta_attention(
     lower_bound: float | None = None,
     context_parallel_metadata=None,
     max_num_segments: int | None = None,
-    chunk_size: int = 64,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    rematerialize_for_backward: bool = False,
     implementation=None,
+    **options,
 ):
-    """Tokamax's ``kimi_delta_attention`` (head-first) on libkda's CPU kernels.
+    """Tokamax's ``kimi_delta_attention`` (head-first, tokamax/_src/ops/experimental/kda/api.py)
+    on libkda's CPU kernels.
 
     Args (Tokamax's names and layouts):
       query, key: ``[H, B, T, K]``. value: ``[HV, B, T, V]`` (HV % H == 0; Tokamax has HV = H).
@@ -225,16 +303,32 @@ def kimi_delta_attention(
       use_qk_l2norm: L2-normalize query and key per token inside the kernel.
       segment_ids: ``[B, T]`` int, 1-indexed runs 1, 2, 3, ... with 0 = padding at the tail.
       max_num_segments: N with segment_ids (inferred from initial_state when omitted).
-      chunk_size: 64, 32 or 16.
-      rematerialize_for_backward: False (default) saves the state entering every chunk for the
-        backward; True saves nothing and recomputes the states in the backward.
-      context_parallel_metadata: must be None (no context parallelism). implementation: ignored.
+      context_parallel_metadata: None, or metadata whose mesh "context" axis has size 1 (ignored);
+        real context parallelism raises NotImplementedError.
+      implementation: None, "xla", "mosaic", "mosaic_tpu", "pallas_tpu" or a sequence of them (all
+        run libkda's kernels); anything else raises ``ValueError("Unknown implementation: ...")``.
+      **options: libkda extensions -- ``chunk_size`` (64, 32 or 16),
+        ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, ``rematerialize_for_backward`` (False:
+        the forward saves the state entering every chunk for the backward; True: recompute) -- and
+        the older experimental API's keywords: ``A_log``, ``dt_bias``, ``use_qk_l2norm_in_kernel``,
+        ``N_max`` (= max_num_segments), ``cp_context`` (as context_parallel_metadata),
+        ``safe_gate`` (True with the gate in kernel requires ``lower_bound`` in [-5, 0)) and
+        ``disable_recompute`` (= not rematerialize_for_backward). Unknown keys raise TypeError.
 
     Returns ``(output [HV, B, T, V] in query's dtype, final_state or None)``.
     """
-    if context_parallel_metadata is not None:
-        raise NotImplementedError("libkda.jax.kimi_delta_attention: context parallelism is not supported")
-    del implementation
+    _implementations(implementation, _IMPLEMENTATIONS)
+    defaults = dict(a_log=None, delta_time_bias=None, use_qk_l2norm=False, max_num_segments=None,
+                    context_parallel_metadata=None)
+    current = dict(a_log=a_log, delta_time_bias=delta_time_bias, use_qk_l2norm=use_qk_l2norm,
+                   max_num_segments=max_num_segments, context_parallel_metadata=context_parallel_metadata)
+    ext, renamed, safe_gate = _options(options, {n: x for n, x in current.items() if x is not defaults[n]})
+    current.update(renamed)
+    a_log, delta_time_bias = current["a_log"], current["delta_time_bias"]
+    use_qk_l2norm, max_num_segments = current["use_qk_l2norm"], current["max_num_segments"]
+    _check_context_parallel(current["context_parallel_metadata"])
+    chunk_size, use_beta_sigmoid_in_kernel = ext["chunk_size"], ext["use_beta_sigmoid_in_kernel"]
+    allow_neg_eigval, rematerialize_for_backward = ext["allow_neg_eigval"], ext["rematerialize_for_backward"]
     if query.ndim != 4 or value.ndim != 4:
         raise ValueError(
             f"kda: query must be [H, B, T, K] and value [HV, B, T, V]; got {query.shape} and {value.shape}")
@@ -255,7 +349,7 @@ def kimi_delta_attention(
             max_num_segments = state_count
         elif max_num_segments != state_count:
             raise ValueError(
-                "`max_num_segments` must match the `initial_state` segment dimension; got "
+                "`max_num_segments` (`N_max`) must match the `initial_state` segment dimension; got "
                 f"max_num_segments={max_num_segments}, num_segments={state_count}.")
     if max_num_segments is not None and max_num_segments <= 0:
         raise ValueError(f"`max_num_segments` must be positive, got {max_num_segments}.")
@@ -266,7 +360,8 @@ def kimi_delta_attention(
         num_states = 1
     else:
         if max_num_segments is None:
-            raise ValueError("`max_num_segments` is required when `segment_ids` is provided without `initial_state`.")
+            raise ValueError("`max_num_segments` is required when `segment_ids` is provided without "
+                             "`initial_state` (in Tokamax's older API: `N_max` is required).")
         num_states = int(max_num_segments)
         segment_ids = jnp.asarray(segment_ids)
         if segment_ids.dtype != jnp.int32:
@@ -274,6 +369,12 @@ def kimi_delta_attention(
     if use_gate_in_kernel:
         if a_log is None and lower_bound is None:
             raise ValueError("`a_log` must be provided when `use_gate_in_kernel=True` (or set `lower_bound`).")
+        if safe_gate:
+            if lower_bound is None:
+                raise ValueError("`lower_bound` must be specified when `safe_gate=True` and "
+                                 "`use_gate_in_kernel=True`.")
+            if not (-5 <= lower_bound < 0):
+                raise ValueError(f"`lower_bound` must be in [-5, 0), got {lower_bound}.")
     else:
         a_log = delta_time_bias = lower_bound = None
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
@@ -294,3 +395,52 @@ def kimi_delta_attention(
         save_states=not rematerialize_for_backward and not oracle,
     )
     return _kda(query, key, value, gate, beta, a_log, delta_time_bias, initial_state, segment_ids, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokamax's batch-first API (tokamax/_src/ops/kda/api.py): q [B, T, H, K], state [B, H, K, V].
+# It has the same name there, so here it lives in the namespace ``libkda.jax.kda`` (mirroring
+# ``tokamax._src.ops.kda.api``) and, flat, as ``kimi_delta_attention_batch_first``.
+# ---------------------------------------------------------------------------------------------
+
+def _batch_first_kimi_delta_attention(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
+                                      output_final_state: bool = False, implementation=None):
+    """Tokamax's batch-first ``kimi_delta_attention`` (tokamax/_src/ops/kda/api.py) on libkda.
+
+    q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; g is the log decay;
+    initial_state ``[B, H, K, V]``. implementation: None or "xla" (a sequence of them); any other
+    name raises ``NotImplementedError("Only XLA implementation is supported.")`` as in Tokamax.
+    Runs the head-first ``kimi_delta_attention`` on transposed operands (XLA transposes; the
+    gradients flow back through them). Returns ``(output [B, T, H, V] in q's dtype,
+    final_state float32 [B, H, K, V] or None)``."""
+    if implementation is not None:
+        impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+        if not impls:
+            raise ValueError("`implementation` must not be an empty sequence.")
+        if set(impls) != {"xla"}:
+            raise NotImplementedError("Only XLA implementation is supported.")
+    if q.ndim != 4:
+        raise ValueError(f"`q` must be rank 4, got shape {q.shape}.")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    checks = (("k", k, q.shape), ("g", g, q.shape), ("v", v, (B, T, H, V)), ("beta", beta, (B, T, H)))
+    for name, x, shape in checks:
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"`{name}` shape {tuple(x.shape)} must be {tuple(shape)} (batch-first, q is "
+                             f"[B, T, H, K] = {tuple(q.shape)}).")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, V):
+        raise ValueError(f"`initial_state` shape {tuple(initial_state.shape)} must be {(B, H, K, V)}.")
+    hf = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, T, H, ...] -> [H, B, T, ...]
+    o, fs = kimi_delta_attention(hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), scale=scale,
+                                 initial_state=None if initial_state is None else initial_state[:, None],
+                                 output_final_state=output_final_state)
+    return jnp.moveaxis(o, 0, 2), (None if fs is None else fs[:, 0])
+
+
+_batch_first_kimi_delta_attention.__name__ = "kimi_delta_attention"
+_batch_first_kimi_delta_attention.__qualname__ = "kimi_delta_attention"
+kimi_delta_attention_batch_first = _batch_first_kimi_delta_attention
+
+kda = types.ModuleType(__name__ + ".kda", "Tokamax's batch-first KDA API (tokamax/_src/ops/kda/api.py) on libkda.")
+kda.kimi_delta_attention = _batch_first_kimi_delta_attention
+sys.modules[kda.__name__] = kda  # `from libkda.jax.kda import kimi_delta_attention`

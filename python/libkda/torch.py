@@ -16,8 +16,10 @@ Ops (``torch.library``, namespace ``libkda``; each has a fake kernel for ``torch
   libkda::chunk_kda_fwd, libkda::chunk_kda_bwd  -- the chunked forward / backward
   libkda::decode                                -- decode against a state pool, in place
 Autograd is a ``torch.autograd.Function`` over the two chunk ops (``disable_recompute=True``
-keeps the state entering every chunk for the backward, ``False`` rematerializes it). See
-docs/PYTHON.md for the mapping to FLA and the limitations.
+keeps the state entering every chunk for the backward, ``False`` rematerializes it). The plain
+torch reference helpers of FLA's gate.py / naive.py (``fused_kda_gate``, ``naive_kda_gate``,
+``naive_kda_lowerbound_gate``, ``naive_recurrent_kda``, ``naive_chunk_kda``) are here too, for
+tests. See docs/PYTHON.md for the mapping to FLA and the limitations.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 from . import _libkda
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "kda_decode"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "kda_decode", "fused_kda_gate",
+           "naive_kda_gate", "naive_kda_lowerbound_gate", "naive_recurrent_kda", "naive_chunk_kda"]
 
 _raw_forward = _libkda.raw_forward
 _raw_backward = _libkda.raw_backward
@@ -364,6 +367,22 @@ def _state_v_first_kwarg(state_v_first, kwargs):
     return state_v_first
 
 
+def _gate_params(q, v, A_log, dt_bias):
+    """A_log of any shape with HV elements (FLA passes ``[1, 1, HV, 1]``) as ``[HV]`` and dt_bias
+    of any shape with HV * K elements as ``[HV * K]``, by reshaping (a view where the strides
+    allow; autograd through the reshape hands gradients back in the caller's shape)."""
+    if q.dim() != 4 or v.dim() != 4:
+        return A_log, dt_bias  # _check_dims reports the layout
+    HV, K = v.shape[2], q.shape[3]
+    for name, t, n, what in (("A_log", A_log, HV, "HV"), ("dt_bias", dt_bias, HV * K, "HV * K")):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"kda: argument '{name}': expected {what} = {n} elements (e.g. shape [{n}]), "
+                             f"got shape {list(t.shape)} ({t.numel()} elements)")
+    A_log = A_log if A_log is None or A_log.dim() == 1 else A_log.reshape(HV)
+    dt_bias = dt_bias if dt_bias is None or dt_bias.dim() == 1 else dt_bias.reshape(HV * K)
+    return A_log, dt_bias
+
+
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -392,17 +411,19 @@ def chunk_kda(
     """``fla.ops.kda.chunk_kda`` on libkda's CPU kernels: same arguments, defaults and results.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV % H == 0); g ``[B, T, HV, K]`` (log decay, or
-    the raw gate with ``use_gate_in_kernel``: ``A_log [HV]`` and optional ``dt_bias [HV * K]`` are
-    passed as keywords, as in FLA); beta ``[B, T, HV]`` (logits with
-    ``use_beta_sigmoid_in_kernel``). Varlen: ``cu_seqlens [N + 1]`` with B = 1. States ``[N, HV, K, V]``
-    (``[N, HV, V, K]`` with ``state_v_first``), float32. Any dtype of float32 / bfloat16 / float16
-    (float64: the fp64 oracle). Extra keywords: ``chunk_size`` (64, 32 or 16), ``A_log``,
-    ``dt_bias``.
+    the raw gate with ``use_gate_in_kernel``: ``A_log`` (HV elements, any shape: ``[HV]`` or FLA's
+    ``[1, 1, HV, 1]``) and optional ``dt_bias`` (HV * K elements, e.g. ``[HV * K]`` or ``[HV, K]``)
+    are passed as keywords, as in FLA; their gradients come back in the shapes passed); beta
+    ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``). Varlen: ``cu_seqlens [N + 1]`` with
+    B = 1. States ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), float32. Any dtype of
+    float32 / bfloat16 / float16 (float64: the fp64 oracle). Extra keywords: ``chunk_size`` (64 or
+    32, as in FLA: anything else raises ValueError; the numpy ``libkda.chunk_kda`` also takes 16),
+    ``A_log``, ``dt_bias``.
 
     ``disable_recompute=True`` keeps the state entering every chunk for the backward (saved-state);
     ``False`` (the default) rematerializes it in the backward. ``return_intermediate_states=True``
     returns ``(o, final_state, h)`` without autograd, h being the state entering every chunk,
-    float32 ``[B, NT, HV, K, V]`` (varlen: ``[1, NC, HV, K, V]``).
+    ``[B, NT, HV, K, V]`` (varlen: ``[1, NC, HV, K, V]``) in the input dtype (k's), as in FLA.
 
     ``safe_gate``, ``cu_seqlens_cpu``, ``use_graph`` and ``max_num_seqs`` are accepted for
     compatibility and do not change the result (``safe_gate`` validates ``lower_bound`` as FLA
@@ -427,9 +448,10 @@ def chunk_kda(
         A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
         if A_log is None and lower_bound is None:
             raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+        A_log, dt_bias = _gate_params(q, v, A_log, dt_bias)
     chunk_size = kwargs.pop("chunk_size", 64)
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"`chunk_size` must be 64, 32 or 16 for libkda, got {chunk_size}.")
+    if chunk_size not in (32, 64):  # FLA's rule; the numpy libkda.chunk_kda also takes 16
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
@@ -450,7 +472,7 @@ def chunk_kda(
         nc = _exact_chunks(B, T, cu_seqlens, chunk_size)
         h = cs[:nc]
         h = h.unflatten(0, (B, nc // B if B else 0)) if cu_seqlens is None else h.unsqueeze(0)
-        return o, (fs if output_final_state else None), h
+        return o, (fs if output_final_state else None), h.to(k.dtype)  # FLA: h in the input dtype
 
     if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) and not (
             torch.is_grad_enabled() and any(t is not None and t.requires_grad
@@ -553,22 +575,29 @@ def fused_recurrent_kda_fwd(
     padding: o = 0, pool untouched). Tokens: q ``[N, T, H, K]``, or ``[1, N * T, H, K]`` with
     ``cu_seqlens = [0, T, 2T, ...]`` (equal lengths).
 
-    Without ``ssm_state_indices`` this is ``fused_recurrent_kda`` (``inplace_final_state`` must then be
-    False or there must be no initial state to update). ``out``, when given, receives o (a copy).
+    Without ``ssm_state_indices`` this is ``fused_recurrent_kda``; with ``inplace_final_state=True``
+    and an ``initial_state`` ``[N, HV, K, V]``, as in FLA, sequence n's final state is written back
+    into ``initial_state[n]`` (forward only, no autograd) and ``final_state`` is ``initial_state``.
+    ``out``, when given, receives o (a copy).
     """
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
     if ssm_state_indices is None:
-        if inplace_final_state and initial_state is not None:
-            raise NotImplementedError(
-                "libkda.torch.fused_recurrent_kda_fwd: inplace_final_state=True without ssm_state_indices is not "
-                "supported; pass ssm_state_indices (the slots of the pool) or inplace_final_state=False")
-        o, fs = fused_recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
-                                    initial_state=initial_state, output_final_state=output_final_state,
-                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                    use_gate_in_kernel=use_gate_in_kernel,
-                                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                    allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound,
-                                    state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+        inplace = bool(inplace_final_state) and initial_state is not None
+        run = lambda: fused_recurrent_kda(  # noqa: E731
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state or inplace, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens)
+        if inplace:
+            # FLA: sequence n's final state is written back into initial_state[n]; the result is
+            # initial_state itself. Forward only, like FLA's (no autograd through the write).
+            with torch.no_grad():
+                o, fs = run()
+                initial_state.copy_(fs)
+            fs = initial_state
+        else:
+            o, fs = run()
         if out is not None:
             out.copy_(o)
             o = out
@@ -616,6 +645,7 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
+    A_log, dt_bias = _gate_params(q, v, A_log, dt_bias)
     flags = _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                    state_v_first)
     decode = (_decode_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices,
@@ -623,3 +653,109 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     o = decode(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accepted_tokens,
                None if scale is None else float(scale), lower_bound, flags)
     return o.flatten(0, 1).unsqueeze(0) if packed else o
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference helpers with the signatures of FLA's fla/ops/kda/gate.py and fla/ops/kda/naive.py
+# (what FLA's tests import). Plain torch, differentiable by autograd, slow: for tests, not for
+# training. Computed in float32 (float64 stays float64); A_log has H elements (``[H]`` or
+# ``[1, 1, H, 1]``), dt_bias H * K.
+# ---------------------------------------------------------------------------------------------
+
+def _gate_input(g, A_log, dt_bias):
+    H, K = g.shape[-2:]
+    ct = torch.promote_types(g.dtype, torch.float32)
+    x = g.to(ct)
+    if dt_bias is not None:
+        x = x + dt_bias.to(ct).reshape(H, K)
+    a = None if A_log is None else A_log.to(ct).reshape(H, 1).exp()
+    return x, a
+
+
+def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32):
+    """``fla.ops.kda.gate.fused_kda_gate``: the in-kernel gate of SPEC.md 1.3 on g ``[..., H, K]``:
+    ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
+    ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``; ``A_log=None`` means a unit scale
+    (A_log = 0). Returns ``[..., H, K]`` in ``output_dtype`` (float32)."""
+    x, a = _gate_input(g, A_log, dt_bias)
+    if lower_bound is None:
+        y = torch.nn.functional.softplus(x)
+        y = -(y if a is None else a * y)
+    else:
+        y = lower_bound * torch.sigmoid(x if a is None else a * x)
+    return y.to(output_dtype)
+
+
+def naive_kda_gate(g, A_log=None, dt_bias=None, output_dtype=torch.float32):
+    """``fla.ops.kda.gate.naive_kda_gate``: ``-exp(A_log) * softplus(g + dt_bias)``."""
+    return fused_kda_gate(g, A_log, dt_bias, None, output_dtype)
+
+
+def naive_kda_lowerbound_gate(g, A_log=None, dt_bias=None, lower_bound=-5.0, output_dtype=torch.float32):
+    """``fla.ops.kda.gate.naive_kda_lowerbound_gate``: ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``."""
+    return fused_kda_gate(g, A_log, dt_bias, lower_bound, output_dtype)
+
+
+def _naive_prep(q, k, v, g, beta, scale):
+    H, HV = q.shape[2], v.shape[2]
+    ct = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(ct) for x in (q, k, v, g, beta))
+    q = q.repeat_interleave(HV // H, dim=2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return q, k.repeat_interleave(HV // H, dim=2), v, g, beta
+
+
+def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """``fla.ops.kda.naive.naive_recurrent_kda``: SPEC.md section 1 token by token. q, k
+    ``[B, T, H, K]``; v ``[B, T, HV, V]``; g (log decay) ``[B, T, HV, K]``; beta ``[B, T, HV]``;
+    initial_state ``[B, HV, K, V]``. Returns ``(o in v's dtype, final state or None)``."""
+    dtype = v.dtype
+    q, k, v, g, beta = _naive_prep(q, k, v, g, beta, scale)
+    B, T, HV, K = g.shape
+    S = q.new_zeros(B, HV, K, v.shape[-1])
+    if initial_state is not None:
+        S = S + initial_state.to(S.dtype)
+    o = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        r = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], r)
+        o.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    o = torch.stack(o, 1) if T else v.new_zeros(v.shape)
+    return o.to(dtype), (S if output_final_state else None)
+
+
+def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
+    """``fla.ops.kda.naive.naive_chunk_kda``: the chunked algorithm of SPEC.md section 2 in plain
+    torch (T need not be a multiple of chunk_size: the tail is padded with g = k = beta = 0, which
+    leaves the state unchanged). Same arguments and results as ``naive_recurrent_kda``."""
+    dtype, T, C = v.dtype, v.shape[1], chunk_size
+    q, k, v, g, beta = _naive_prep(q, k, v, g, beta, scale)
+    pad = (-T) % C
+    if pad:
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    B, Tp, HV, K = g.shape
+    # [B, HV, NT, C, ...]
+    q, k, v, g = (x.unflatten(1, (Tp // C, C)).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
+    beta = beta.unflatten(1, (Tp // C, C)).permute(0, 3, 1, 2)
+    G = g.cumsum(-2)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i only (masked before exp: every factor <= 1)
+    D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    L = (beta[..., None] * torch.einsum("...id,...jd,...ijd->...ij", k, k, D)).tril(-1)
+    Aqk = torch.einsum("...id,...jd,...ijd->...ij", q, k, D)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    M = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    U = M @ (beta[..., None] * v)
+    W = M @ (beta[..., None] * k * G.exp())
+    S = q.new_zeros(B, HV, K, v.shape[-1])
+    if initial_state is not None:
+        S = S + initial_state.to(S.dtype)
+    o = []
+    for n in range(Tp // C):
+        Gn, Gl = G[:, :, n], G[:, :, n, -1:]
+        Vn = U[:, :, n] - W[:, :, n] @ S
+        o.append((q[:, :, n] * Gn.exp()) @ S + Aqk[:, :, n] @ Vn)
+        S = Gl.transpose(-1, -2).exp() * S + (k[:, :, n] * (Gl - Gn).exp()).transpose(-1, -2) @ Vn
+    o = torch.stack(o, 2).flatten(2, 3).transpose(1, 2)[:, :T] if o else v.new_zeros(B, T, HV, v.shape[-1])
+    return o.to(dtype), (S if output_final_state else None)

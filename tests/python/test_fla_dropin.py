@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 F = torch.nn.functional
 
 from libkda.torch import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: E402  (was: fla.ops.kda)
+from libkda.torch import fused_kda_gate, naive_kda_gate  # noqa: E402  (was: fla.ops.kda.gate)
+from libkda.torch import naive_chunk_kda, naive_recurrent_kda  # noqa: E402  (was: fla.ops.kda.naive)
 
 device = "cpu"
 
@@ -209,3 +211,46 @@ def test_vllm_v_first_prefill_then_pool_decode():
     # The K-first state is the transpose of the V-first one.
     _, state_k = chunk_kda(**pre, output_final_state=True)
     assert torch.equal(state_k, state.transpose(-1, -2))
+
+
+def test_fla_test_kda_gate_and_naive_patterns():
+    """FLA tests/ops/test_kda.py: test_gate (A_log of shape [1, 1, H, 1], fused vs naive gate,
+    forward and backward), test_naive_chunk (naive_chunk_kda vs naive_recurrent_kda) and
+    test_chunk's use of naive_kda_gate as the reference of the in-kernel gate; scaled down."""
+    torch.manual_seed(42)
+    B, T, H, D = 2, 64, 2, 16
+    g = (torch.randn(B, T, H, D, dtype=torch.float32) * 10).requires_grad_(True)
+    A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16)).requires_grad_(True)
+    dt_bias = torch.randn(H * D, dtype=torch.float32).requires_grad_(True)
+    do = torch.randn_like(g)
+    ref = naive_kda_gate(g.clone(), A_log.clone(), dt_bias.clone())
+    (ref * do).sum().backward()
+    ref_grads = [t.grad for t in (g, A_log, dt_bias)]
+    g.grad = A_log.grad = dt_bias.grad = None
+    tri = fused_kda_gate(g.clone(), A_log.clone(), dt_bias.clone())
+    (tri * do).sum().backward()
+    assert torch.equal(ref, tri) and A_log.grad.shape == (1, 1, H, 1)
+    for r, t in zip(ref_grads, (g.grad, A_log.grad, dt_bias.grad)):
+        assert_close(t.numpy(), r.numpy(), 1e-6, "gate grad")
+
+    # test_naive_chunk
+    q, k, v = (torch.rand(B, T, H, D) for _ in range(3))
+    gl = F.logsigmoid(torch.randn(B, T, H, D))
+    beta = torch.randn(B, T, H).sigmoid()
+    h0 = torch.randn(B, H, D, D)
+    qn, kn = F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1)
+    ref, ref_ht = naive_recurrent_kda(qn, kn, v, gl, beta, scale=0.1, initial_state=h0, output_final_state=True)
+    tri, tri_ht = naive_chunk_kda(qn, kn, v, gl, beta, scale=0.1, initial_state=h0, output_final_state=True)
+    assert_close(tri.numpy(), ref.numpy(), 1e-5, "naive chunk o")
+    assert_close(tri_ht.numpy(), ref_ht.numpy(), 1e-5, "naive chunk ht")
+
+    # test_chunk with the gate in kernel, A_log passed as FLA's layers hold it ([1, 1, H, 1])
+    gr = torch.randn(B, T, H, D)
+    o, ht = chunk_kda(qn, kn, v, gr, beta, A_log=A_log.detach(), dt_bias=dt_bias.detach(), scale=0.1,
+                      initial_state=h0, output_final_state=True, use_gate_in_kernel=True)
+    ro, rht = naive_recurrent_kda(qn, kn, v, naive_kda_gate(gr, A_log.detach(), dt_bias.detach()), beta, scale=0.1,
+                                  initial_state=h0, output_final_state=True)
+    assert_close(o.numpy(), ro.numpy(), 1e-5, "o")
+    assert_close(ht.numpy(), rht.numpy(), 1e-5, "ht")
+    check(o, ht, qn, kn, v, gr, beta, h0, 1e-5, scale=0.1, use_gate_in_kernel=True, A_log=A_log.detach().reshape(H),
+          dt_bias=dt_bias.detach())

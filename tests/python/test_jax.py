@@ -279,3 +279,166 @@ def test_float64_runs_the_oracle_and_check_grads():
             return jnp.sum(jnp.sin(o)) + jnp.sum(fs * fs)
 
         check_grads(f, args, order=1, modes=["rev"])
+
+
+# --- Tokamax API compatibility: implementation names, context parallel metadata, signature /
+# --- **options (libkda extensions and the older experimental API's keywords), batch-first API.
+
+def _small(seed=20, **kw):
+    spec = dict(H=2, B=2, T=21, K=8, V=4)
+    spec.update(kw)
+    return make(seed, **spec)
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert (x is None and y is None) or np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_implementation_names():
+    x, _, _ = _small()
+    ref = kj.kimi_delta_attention(**x)
+    for impl in ("xla", "mosaic", "mosaic_tpu", "pallas_tpu", ("mosaic", "xla"), ["xla"]):
+        _same(kj.kimi_delta_attention(**x, implementation=impl), ref)
+    with pytest.raises(ValueError, match="^Unknown implementation: xla_chunked$"):
+        kj.kimi_delta_attention(**x, implementation="xla_chunked")
+    with pytest.raises(ValueError, match="Unknown implementation: triton"):
+        kj.kimi_delta_attention(**x, implementation=("xla", "triton"))
+    with pytest.raises(ValueError, match="must not be an empty sequence"):
+        kj.kimi_delta_attention(**x, implementation=())
+
+
+def test_context_parallel_metadata_single_device_runs():
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class Metadata:  # the fields Tokamax's ContextParallelMetadata / CPContext have
+        mesh: object
+        axis_name: str = "context"
+
+        @property
+        def is_cp_enabled(self):
+            return self.mesh.shape[self.axis_name] > 1
+
+    x, _, h0 = _small()
+    ref = kj.kimi_delta_attention(**x, initial_state=h0, output_final_state=True)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("context",))
+    for md in (Metadata(mesh), types.SimpleNamespace(mesh=mesh)):  # with and without is_cp_enabled
+        _same(kj.kimi_delta_attention(**x, initial_state=h0, output_final_state=True, context_parallel_metadata=md,
+                                      implementation="xla"), ref)
+    _same(kj.kimi_delta_attention(**x, initial_state=h0, output_final_state=True, cp_context=Metadata(mesh)), ref)
+    two = types.SimpleNamespace(shape={"context": 2})  # a 2-device context axis (no second device needed)
+    for md in (Metadata(two), types.SimpleNamespace(mesh=two)):
+        with pytest.raises(NotImplementedError, match="context parallelism is not supported.*'context' has 2"):
+            kj.kimi_delta_attention(**x, context_parallel_metadata=md)
+
+
+def test_signature_matches_tokamax():
+    import inspect
+    params = inspect.signature(kj.kimi_delta_attention).parameters
+    assert "chunk_size" not in params  # Tokamax base_test: test_chunk_size_is_not_public
+    for name in ("delta_time_bias", "use_qk_l2norm", "context_parallel_metadata", "a_log", "max_num_segments",
+                 "implementation"):
+        assert name in params, name
+    for name in ("dt_bias", "use_qk_l2norm_in_kernel", "cp_context", "safe_gate", "disable_recompute",
+                 "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "rematerialize_for_backward"):
+        assert name not in params, name
+    assert list(params)[:5] == ["query", "key", "value", "gate", "beta"]
+
+
+def test_options_extensions_and_older_api_aliases():
+    x, extra, h0 = _small(21, gate="lower_bound", N=2, T=30)
+    seg = segments(2, 30, [[12, 15], [30]])
+    new = kj.kimi_delta_attention(**x, a_log=extra["a_log"], delta_time_bias=extra["delta_time_bias"],
+                                  use_qk_l2norm=True, use_gate_in_kernel=True, lower_bound=-5.0, segment_ids=seg,
+                                  max_num_segments=2, output_final_state=True)
+    old = kj.kimi_delta_attention(**x, A_log=extra["a_log"], dt_bias=extra["delta_time_bias"],
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                                  segment_ids=seg, N_max=2, output_final_state=True, safe_gate=True,
+                                  disable_recompute=False, cp_context=None, chunk_size=64)
+    _same(old, new)
+    ro, rfs = libkda.naive_recurrent_kda(*(bf(x[n]) for n in ("query", "key", "value", "gate", "beta")),
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                         **oracle_kwargs(extra, seg, 2))
+    assert_close(np.asarray(new[0], np.float64), hf(ro), 1e-5, "o")
+    # chunk_size through **options (32, 16), and the gradients of disable_recompute vs rematerialize
+    for cs in (32, 16):
+        o, _ = kj.kimi_delta_attention(**x, a_log=extra["a_log"], use_gate_in_kernel=True, lower_bound=-5.0,
+                                       chunk_size=cs)
+        r, _ = kj.kimi_delta_attention(**x, a_log=extra["a_log"], use_gate_in_kernel=True, lower_bound=-5.0)
+        assert_close(np.asarray(o), np.asarray(r), 1e-5, f"o chunk_size={cs}")
+
+    def grad(**opt):
+        f = lambda q: jnp.sum(kj.kimi_delta_attention(q, *list(x.values())[1:], **opt)[0] * x["value"])  # noqa: E731
+        return jax.jit(jax.grad(f))(x["query"])
+
+    g1, g2, g3 = grad(disable_recompute=True), grad(disable_recompute=False), grad(rematerialize_for_backward=True)
+    assert np.array_equal(g1, g2) and np.array_equal(g2, g3)
+    # validation
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunksize'"):
+        kj.kimi_delta_attention(**x, chunksize=32)
+    with pytest.raises(TypeError, match="both `a_log` and its older alias `A_log`"):
+        kj.kimi_delta_attention(**x, a_log=extra["a_log"], A_log=extra["a_log"], use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="disagree"):
+        kj.kimi_delta_attention(**x, disable_recompute=True, rematerialize_for_backward=True)
+    with pytest.raises(ValueError, match="`lower_bound` must be specified when `safe_gate=True`"):
+        kj.kimi_delta_attention(**x, A_log=extra["a_log"], use_gate_in_kernel=True, safe_gate=True)
+    with pytest.raises(ValueError, match=r"`lower_bound` must be in \[-5, 0\)"):
+        kj.kimi_delta_attention(**x, A_log=extra["a_log"], use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0)
+    with pytest.raises(ValueError, match="`chunk_size` must be 64, 32 or 16"):
+        kj.kimi_delta_attention(**x, chunk_size=48)
+
+
+def test_missing_max_num_segments_matches_both_tokamax_regexes():
+    o1 = jnp.ones((1, 1, 65, 1), jnp.float32)  # Tokamax base_test's shapes
+    seg = jnp.concatenate([jnp.ones((1, 20), jnp.int32), jnp.full((1, 20), 2, jnp.int32),
+                           jnp.full((1, 25), 3, jnp.int32)], axis=1)
+    for pattern in ("`max_num_segments` is required", "`N_max` is required"):
+        with pytest.raises(ValueError, match=pattern):
+            kj.kimi_delta_attention(o1, o1, o1, jnp.zeros_like(o1), o1[..., 0], segment_ids=seg, implementation="xla")
+    x, _, h0 = _small(N=1)
+    for kw in (dict(max_num_segments=2), dict(N_max=2)):
+        with pytest.raises(ValueError, match="must match"):
+            kj.kimi_delta_attention(**x, initial_state=h0, **kw)
+
+
+def test_batch_first_api():
+    """tokamax/_src/ops/kda/api.py: q [B, T, H, K], state [B, H, K, V]; forward and gradients
+    against the fp64 oracle, Tokamax's errors."""
+    from libkda.jax.kda import kimi_delta_attention as kda_bf
+    assert kda_bf is kj.kimi_delta_attention_batch_first and kda_bf.__name__ == "kimi_delta_attention"
+    import inspect
+    assert list(inspect.signature(kda_bf).parameters) == ["q", "k", "v", "g", "beta", "scale", "initial_state",
+                                                          "output_final_state", "implementation"]
+    x, _, h0 = _small(22, B=2, T=23)
+    q, k, v, g, beta = (np.ascontiguousarray(bf(x[n]).astype(np.float32))
+                        for n in ("query", "key", "value", "gate", "beta"))
+    s0 = np.ascontiguousarray(h0[:, 0])  # [B, H, K, V]
+    o, fs = kda_bf(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True)
+    assert o.shape == v.shape and o.dtype == jnp.float32 and fs.shape == s0.shape and fs.dtype == jnp.float32
+    ro, rfs = libkda.naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True)
+    assert_close(np.asarray(o), ro, 1e-5, "o")
+    assert_close(np.asarray(fs), rfs, 1e-5, "final_state")
+    assert kda_bf(q, k, v, g, beta)[1] is None
+
+    rng = np.random.default_rng(23)
+    do = rng.standard_normal(v.shape).astype(np.float32)
+    dht = rng.standard_normal(s0.shape).astype(np.float32)
+
+    def loss(q, k, v, g, beta, s):
+        o, fs = kda_bf(q, k, v, g, beta, initial_state=s, output_final_state=True)
+        return jnp.sum(o * do) + jnp.sum(fs * dht)
+
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, s0)  # jit: under trace too
+    ref = libkda.naive_recurrent_kda_bwd(q, k, v, g, beta, do, dht, initial_state=s0)
+    for grad, arg, name in zip(grads, (q, k, v, g, beta, s0), ["dq", "dk", "dv", "dg", "dbeta", "dh0"]):
+        assert grad.shape == arg.shape, name
+        assert_close(np.asarray(grad, np.float64), ref[name], 1e-4, name)
+    with pytest.raises(NotImplementedError, match="Only XLA"):
+        kda_bf(q, k, v, g, beta, implementation="mosaic_tpu")
+    kda_bf(q, k, v, g, beta, implementation=("xla",))
+    with pytest.raises(ValueError, match="`k` shape"):
+        kda_bf(q, k[:, :-1], v, g, beta)
+    with pytest.raises(ValueError, match="`initial_state` shape"):
+        kda_bf(q, k, v, g, beta, initial_state=h0)  # the head-first [B, N, H, K, V] state is not guessed

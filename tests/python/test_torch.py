@@ -164,7 +164,7 @@ def test_return_intermediate_states():
     x, _, h0 = make(8, B=2, T=100)
     with torch.inference_mode():
         o, ht, h = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, return_intermediate_states=True)
-    assert h.shape == (2, 2, 2, 16, 8) and h.dtype == torch.float32  # [B, NT, HV, K, V]
+    assert h.shape == (2, 2, 2, 16, 8) and h.dtype == x["k"].dtype  # [B, NT, HV, K, V], input dtype (FLA)
     xn = {n: t.numpy() for n, t in x.items()}
     ro, rht, rh = libkda.chunk_kda(**xn, initial_state=h0.numpy(), output_final_state=True,
                                    return_intermediate_states=True)
@@ -174,6 +174,133 @@ def test_return_intermediate_states():
     xv = {n: t[:1] for n, t in x.items()}
     _, _, hv = kt.chunk_kda(**xv, cu_seqlens=cu, return_intermediate_states=True)
     assert hv.shape == (1, 1 + 2, 2, 16, 8)  # ceil(30/64) + ceil(70/64) chunks
+
+
+def test_return_intermediate_states_in_input_dtype():
+    """FLA returns h in the input dtype: bf16 inputs give bf16 h, the float32 states rounded."""
+    x, _, h0 = make(8, B=2, T=100, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        o, ht, h = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, return_intermediate_states=True,
+                                chunk_size=32)
+    assert h.dtype == torch.bfloat16 and h.shape == (2, 4, 2, 16, 8) and ht.dtype == torch.float32
+    xn = {n: t.to(torch.float32).numpy().astype(BF16) for n, t in x.items()}
+    _, _, rh = libkda.chunk_kda(**xn, initial_state=h0.numpy(), output_final_state=True, chunk_size=32,
+                                return_intermediate_states=True)
+    assert torch.equal(h.reshape(-1, 2, 16, 8), torch.from_numpy(rh).to(torch.bfloat16))
+
+
+def test_chunk_size_follows_fla():
+    x, _, h0 = make(30, T=40)
+    for bad in (16, 128, 0):
+        with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64"):
+            kt.chunk_kda(**x, chunk_size=bad)
+    o, ht = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, chunk_size=32)
+    ro, rht = oracle(x, {}, h0)
+    assert_close(to_np(o), ro, 1e-5, "o")
+    assert_close(to_np(ht), rht, 1e-5, "final_state")
+    # the numpy binding keeps chunk_size 16
+    xn = {n: t.numpy() for n, t in x.items()}
+    o16, _ = libkda.chunk_kda(**xn, chunk_size=16)
+    assert_close(o16, oracle(x, {}, None)[0], 1e-5, "numpy o, chunk_size=16")
+
+
+def test_gate_parameters_of_any_shape():
+    """A_log with HV elements in any shape (FLA's [1, 1, HV, 1]) and dt_bias with HV * K: the
+    results equal those of the flat shapes bitwise and the gradients come back in the caller's
+    shapes; wrong element counts raise ValueError naming the argument."""
+    x, extra, h0 = make(31, T=40, H=1, HV=2, gate="softplus")
+    HV, K = 2, 16
+    shaped = {"A_log": extra["A_log"].reshape(1, 1, HV, 1), "dt_bias": extra["dt_bias"].reshape(HV, K)}
+    results = []
+    for params in (extra, shaped, {"A_log": extra["A_log"].reshape(HV, 1), "dt_bias": extra["dt_bias"][None]}):
+        leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
+        o, ht = kt.chunk_kda(**x, **leaves, initial_state=h0, output_final_state=True, use_gate_in_kernel=True)
+        (o.square().sum() + ht.sum()).backward()
+        for n, t in leaves.items():
+            assert t.grad.shape == params[n].shape, n
+        results.append((o, ht, leaves["A_log"].grad.reshape(-1), leaves["dt_bias"].grad.reshape(-1)))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    ro, _ = oracle(x, extra, h0, use_gate_in_kernel=True)
+    assert_close(to_np(results[0][0]), ro, 1e-5, "o")
+    # fused_recurrent_kda, and fused_recurrent_kda_fwd's decode path
+    o_fr, _ = kt.fused_recurrent_kda(**x, **shaped, initial_state=h0, use_gate_in_kernel=True)
+    assert torch.equal(o_fr, results[0][0])
+    q, k, v, g, beta, pool = _decode_inputs(32, N=2, H=2, K=K)
+    idx = torch.tensor([3, 1])
+    outs = []
+    for params in (extra, shaped):
+        p = pool.clone()
+        o, _ = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, **params, initial_state=p, ssm_state_indices=idx,
+                                          use_gate_in_kernel=True, state_v_first=True)
+        outs.append((o, p))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    with pytest.raises(ValueError, match=r"'A_log': expected HV = 2 elements .*got shape \[1, 1, 3, 1\] \(3 "):
+        kt.chunk_kda(**x, A_log=torch.zeros(1, 1, 3, 1), use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match=r"'dt_bias': expected HV \* K = 32 elements .*got shape \[2, 15\]"):
+        kt.fused_recurrent_kda(**x, A_log=extra["A_log"], dt_bias=torch.zeros(2, 15), use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="'A_log': expected HV = 2 elements"):
+        kt.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=torch.zeros(3), initial_state=pool, ssm_state_indices=idx,
+                                   use_gate_in_kernel=True, state_v_first=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_fused_recurrent_kda_fwd_inplace_without_indices(varlen):
+    """FLA: inplace_final_state=True without ssm_state_indices writes each sequence's final state
+    into initial_state and returns it (even with output_final_state=False)."""
+    x, extra, h0 = make(33, B=1 if varlen else 2, T=45, gate="lower_bound", N=3 if varlen else None)
+    kw = dict(cu_seqlens=torch.tensor([0, 10, 10, 45])) if varlen else {}
+    state = h0.clone()
+    ptr = state.data_ptr()
+    o, fs = kt.fused_recurrent_kda_fwd(**x, **extra, initial_state=state, output_final_state=False,
+                                       inplace_final_state=True, use_gate_in_kernel=True, **kw)
+    assert fs is state and state.data_ptr() == ptr
+    ro, rht = oracle(x, extra, h0, use_gate_in_kernel=True, **kw)
+    assert_close(to_np(o), ro, 1e-5, "o")
+    assert_close(to_np(state), rht, 1e-5, "final_state (in place)")
+    if varlen:
+        assert torch.equal(state[1], h0[1])  # the empty segment keeps its state
+    o2, fs2 = kt.fused_recurrent_kda_fwd(**x, **extra, initial_state=h0, output_final_state=True,
+                                         inplace_final_state=False, use_gate_in_kernel=True, **kw)
+    assert torch.equal(o, o2) and torch.equal(state, fs2) and fs2 is not h0
+
+
+def test_reference_helpers_match_the_oracle():
+    """fused_kda_gate / naive_kda_gate / naive_kda_lowerbound_gate (FLA's gate.py) and
+    naive_recurrent_kda / naive_chunk_kda (FLA's naive.py) against float64 references."""
+    gen = torch.Generator().manual_seed(34)
+    B, T, H, HV, K, V = 2, 37, 1, 2, 8, 4
+    g = 3 * torch.randn(B, T, HV, K, generator=gen)
+    A_log = torch.randn(1, 1, HV, 1, generator=gen)
+    dt_bias = torch.randn(HV * K, generator=gen)
+    x = (g.double() + dt_bias.double().view(HV, K)).numpy()
+    a = A_log.double().exp().view(HV, 1).numpy()
+    for lb, ref in ((None, -a * np.logaddexp(0, x)), (-5.0, -5.0 / (1 + np.exp(-a * x)))):
+        y = kt.fused_kda_gate(g, A_log, dt_bias, lower_bound=lb)
+        assert y.dtype == torch.float32 and y.shape == g.shape
+        assert_close(y.numpy(), ref, 1e-6, f"gate lower_bound={lb}")
+        naive = (kt.naive_kda_gate(g, A_log, dt_bias) if lb is None else
+                 kt.naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound=lb))
+        assert torch.equal(y, naive)
+    assert torch.equal(kt.fused_kda_gate(g, None, dt_bias), kt.fused_kda_gate(g, torch.zeros(HV), dt_bias))
+    assert kt.fused_kda_gate(g.bfloat16(), A_log, output_dtype=torch.bfloat16).dtype == torch.bfloat16
+    leaves = [t.double().requires_grad_() for t in (g[:1, :3], A_log, dt_bias)]
+    assert torch.autograd.gradcheck(lambda *t: kt.fused_kda_gate(*t, lower_bound=-3.0, output_dtype=torch.float64),
+                                    leaves)
+    assert torch.autograd.gradcheck(lambda *t: kt.fused_kda_gate(*t, output_dtype=torch.float64), leaves)
+    # the naive recurrences, GVA, T not a multiple of the chunk size
+    xr, _, h0 = make(35, B=B, T=T, H=H, HV=HV, K=K, V=V)
+    ro, rht = oracle(xr, {}, h0, scale=0.25)  # a scale exact in float32, as the oracle takes it
+    for name, fn in (("recurrent", kt.naive_recurrent_kda),
+                     ("chunk16", lambda *t, **kw: kt.naive_chunk_kda(*t, **kw, chunk_size=16))):
+        o, ht = fn(*(t.double() for t in xr.values()), scale=0.25, initial_state=h0.double(),
+                   output_final_state=True)
+        assert o.dtype == torch.float64 and o.shape == xr["v"].shape and ht.shape == h0.shape
+        assert_close(o.numpy(), ro, 1e-12, f"{name} o")
+        assert_close(ht.numpy(), rht, 1e-12, f"{name} final_state")
+        o32, none = fn(*xr.values(), scale=0.5)
+        assert o32.dtype == torch.float32 and none is None
+        assert_close(o32.numpy(), oracle(xr, {}, None, scale=0.5)[0], 1e-5, f"{name} o fp32")
 
 
 def _decode_inputs(seed, N=3, T=1, H=2, K=16, V=8, slots=6):
