@@ -7,8 +7,11 @@
 //
 // Not included anywhere else. Needs <cstring> and <cstdint> before the enclosing namespace.
 
-typedef float vf __attribute__((vector_size(64), aligned(4)));          // 16 x fp32
-typedef std::int32_t vi __attribute__((vector_size(64), aligned(4)));   // 16 x int32
+// Natural (64-byte) alignment: with a smaller one GCC 12 keeps register-blocked accumulator
+// arrays (gemm_tile) partly on the stack, storing them every iteration. Memory is only ever
+// accessed through vload / vstore (memcpy), so no pointer needs that alignment.
+typedef float vf __attribute__((vector_size(64)));         // 16 x fp32
+typedef std::int32_t vi __attribute__((vector_size(64)));  // 16 x int32
 constexpr int kLanes = 16;
 
 static inline vf vload(const float* p) {
