@@ -54,11 +54,18 @@ static inline vf vexp(vf x) {
   const vf c1 = vsplat(0.693359375f), c2 = vsplat(-2.12194440e-4f);
   vf xc = x > vsplat(88.3762626647949f) ? vsplat(88.3762626647949f) : x;
   xc = xc < vsplat(-87.0f) ? vsplat(-87.0f) : xc;
+#ifdef __AVX512F__
+  // n = nearest integer to x log2 e in one instruction (the portable floor(. + 0.5) below
+  // differs only at ties, where either n keeps r in the polynomial's range)
+  const vf fl = reinterpret_cast<vf>(
+      _mm512_maskz_roundscale_ps(0xffff, reinterpret_cast<__m512>(xc * log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
   vf fx = xc * log2e + vsplat(0.5f);
   vi ix = __builtin_convertvector(fx, vi);
   vf fl = __builtin_convertvector(ix, vf);
   fl = fl > fx ? fl - vsplat(1.0f) : fl;  // floor
   ix = __builtin_convertvector(fl, vi);
+#endif
   vf r = xc - fl * c1 - fl * c2;
   vf y = vsplat(1.9875691500e-4f);
   y = y * r + vsplat(1.3981999507e-3f);
@@ -67,10 +74,14 @@ static inline vf vexp(vf x) {
   y = y * r + vsplat(1.6666665459e-1f);
   y = y * r + vsplat(5.0000001201e-1f);
   y = y * r * r + r + vsplat(1.0f);
+#ifdef __AVX512F__
+  vf res = reinterpret_cast<vf>(_mm512_maskz_scalef_ps(0xffff, reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(fl)));  // y 2^n
+#else
   vi bits = (ix + 127) << 23;
   vf pow2;
   std::memcpy(&pow2, &bits, sizeof pow2);
   vf res = y * pow2;
+#endif
   res = x < vsplat(-87.0f) ? vsplat(0.0f) : res;
   res = x > vsplat(88.3762626647949f) ? vsplat(__builtin_inff()) : res;
   return x != x ? x : res;
