@@ -56,13 +56,7 @@ INSTANTIATE_TEST_SUITE_P(Backward, BackwardMatrix,
 class LongBf16Backward : public ::testing::TestWithParam<bool> {};
 
 TEST_P(LongBf16Backward, MatchesAdjointOracleAtT4096) {
-  Case c;
-  c.T = 4096, c.K = 128, c.V = 128, c.H = 1, c.HV = 1;
-  c.dtype = DType::kBF16;
-  c.gate = Gate::kLowerBound;
-  c.initial_state = true;
-  c.bf16_dot_products = GetParam();
-  expect_backward_matches_oracle(c, Residuals::kSaved);
+  expect_backward_matches_oracle(long_bf16_case(4096, GetParam()), Residuals::kSaved);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backward, LongBf16Backward, ::testing::Bool(),

@@ -70,6 +70,19 @@ struct Case {
   }
 };
 
+// The representative options of SPEC.md 5 on one long bf16 sequence (K = V = 128, the raw gate
+// with lower_bound, an initial state), with or without bf16 dot products: where the products'
+// rounding could accumulate in the state.
+inline Case long_bf16_case(std::int64_t T, bool bf16_dot_products) {
+  Case c;
+  c.T = T, c.K = 128, c.V = 128, c.H = 1, c.HV = 1;
+  c.dtype = DType::kBF16;
+  c.gate = Gate::kLowerBound;
+  c.initial_state = true;
+  c.bf16_dot_products = bf16_dot_products;
+  return c;
+}
+
 // Host tensor storage in any dtype (raw bytes) with a contiguous view.
 struct HostTensor {
   std::vector<unsigned char> bytes;
