@@ -132,8 +132,8 @@ static inline vf vsoftplus(vf x) {
 static inline vf vsigmoid(vf x) { return vsplat(1.0f) / (vsplat(1.0f) + vexp(-x)); }
 
 // x <- x * rsqrt(sum(x^2) + 1e-6) (SPEC.md 1.3) with 16 partial sums: a scalar reduction would
-// be one dependent add per element.
-static inline void vl2normalize(float* x, std::int64_t n) {
+// be one dependent add per element. Returns the factor (the backward's l2norm adjoint needs it).
+static inline float vl2normalize(float* x, std::int64_t n) {
   vf acc = vsplat(0.0f);
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -146,6 +146,7 @@ static inline void vl2normalize(float* x, std::int64_t n) {
   const vf r = vsplat(1.0f / std::sqrt(ss + 1e-6f));
   for (i = 0; i + kLanes <= n; i += kLanes) vstore(x + i, vload(x + i) * r);
   for (; i < n; ++i) x[i] *= r[0];
+  return r[0];
 }
 
 // Applies f to n floats (n need not be a multiple of 16).
