@@ -24,6 +24,8 @@ const BwdCase kBwdCases[] = {
     {"T130_chunk16", 130, 40, 40, 2, 8, Gate::kSoftplus, false, true, true, true, false, StateLayout::kVFirst, 16},
     {"T300_K128", 300, 128, 128, 1, 1, Gate::kLowerBound, true, false, false, true, true, StateLayout::kKFirst, 64},
     {"T100_K256_V64", 100, 256, 64, 1, 1, Gate::kLogDecay, true, false, false, true, true, StateLayout::kKFirst, 64},
+    // Odd K and V: partial vectors everywhere and odd bf16 pairs in the state products.
+    {"T77_K33_V17", 77, 33, 17, 1, 2, Gate::kSoftplus, true, true, false, true, true, StateLayout::kKFirst, 32},
 };
 
 class BackwardMatrix : public ::testing::TestWithParam<std::tuple<BwdCase, DType, Residuals>> {};
