@@ -26,6 +26,7 @@ const BwdCase kBwdCases[] = {
     {"T100_K256_V64", 100, 256, 64, 1, 1, Gate::kLogDecay, true, false, false, true, true, StateLayout::kKFirst, 64},
     // Odd K and V: partial vectors everywhere and odd bf16 pairs in the state products.
     {"T77_K33_V17", 77, 33, 17, 1, 2, Gate::kSoftplus, true, true, false, true, true, StateLayout::kKFirst, 32},
+    {"T90_K64_V256", 90, 64, 256, 1, 2, Gate::kLowerBound, true, false, false, true, true, StateLayout::kVFirst, 32},
 };
 
 class BackwardMatrix : public ::testing::TestWithParam<std::tuple<BwdCase, DType, Residuals>> {};
