@@ -124,7 +124,7 @@ class CudaDecode : public ::testing::TestWithParam<DecodeCase> {
 
 TEST_P(CudaDecode, MatchesOracle) { expect_decode_exec_matches_oracle(GetParam(), gpu_decode(), "CUDA decode"); }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, CudaDecode, ::testing::ValuesIn(cuda_decode_cases()),
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaDecode, ::testing::ValuesIn(decode_option_cases()),
                          [](const auto& info) { return info.param.name; });
 
 class CudaApi : public ::testing::Test {

@@ -82,7 +82,7 @@ class CudaEmulationDecode : public ::testing::TestWithParam<DecodeCase> {};
 
 TEST_P(CudaEmulationDecode, MatchesOracle) { expect_decode_exec_matches_oracle(GetParam(), emulated_decode(), "emulated decode"); }
 
-INSTANTIATE_TEST_SUITE_P(CudaEmulation, CudaEmulationDecode, ::testing::ValuesIn(cuda_decode_cases()),
+INSTANTIATE_TEST_SUITE_P(CudaEmulation, CudaEmulationDecode, ::testing::ValuesIn(decode_option_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // The kernel choice: fast paths need one dtype for q, k, v, g, o and K <= 64 / 128.

@@ -3,6 +3,7 @@
 // (untouched slots, padding rows, errors that write nothing).
 #include <limits>
 
+#include "decode_cases.hpp"
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -10,162 +11,19 @@ namespace {
 
 constexpr double kPoison = 0x1p100;  // exact in fp32; untouched pool slots must keep exactly this
 
-struct DecodeCase {
-  Case c;  // B = N rows, T tokens per row, heads, dtype, options
-  std::int64_t slots = 8;
-  std::vector<std::int64_t> idx;       // [N] or [N, T]
-  std::vector<std::int64_t> accepted;  // [N] or empty
-};
-
-struct DecodeData {
-  Inputs in;
-  HostTensor pool;  // [slots, HV, K, V] or V-first
-};
-
-DecodeData make_decode_data(const DecodeCase& dc) {
-  DecodeData d;
-  d.in = make_inputs(dc.c);
-  const Case& c = dc.c;
-  d.pool = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {dc.slots, c.HV, c.K, c.V})
-                                            : HostTensor(DType::kF32, {dc.slots, c.HV, c.V, c.K});
-  std::mt19937 rng(c.seed + 5);
-  std::normal_distribution<double> normal(0.0, 0.5);
-  const std::int64_t slot = c.HV * c.K * c.V;
-  for (std::int64_t s = 0; s < dc.slots; ++s)
-    for (std::int64_t i = 0; i < slot; ++i) d.pool.set(s * slot + i, normal(rng));
-  return d;
-}
-
-DecodeParams decode_params(const DecodeCase& dc, DecodeData& d, HostTensor& o, HostTensor& idx, HostTensor& acc) {
-  const Case& c = dc.c;
-  HostTensor ht;
-  ForwardParams f = make_params(c, d.in, o, ht);
-  DecodeParams p;
-  p.q = f.q, p.k = f.k, p.v = f.v, p.g = f.g, p.beta = f.beta, p.A_log = f.A_log, p.dt_bias = f.dt_bias;
-  p.o = o.view;
-  p.options = f.options;
-  p.state_pool = d.pool.view;
-  const bool per_token = static_cast<std::int64_t>(dc.idx.size()) == c.B * c.T && c.T > 1;
-  idx = per_token ? HostTensor(DType::kI64, {c.B, c.T}) : HostTensor(DType::kI32, {c.B});
-  for (std::size_t i = 0; i < dc.idx.size(); ++i) idx.set(static_cast<std::int64_t>(i), static_cast<double>(dc.idx[i]));
-  p.slot_indices = idx.view;
-  if (!dc.accepted.empty()) {
-    acc = HostTensor(DType::kI32, {c.B});
-    for (std::size_t i = 0; i < dc.accepted.size(); ++i) acc.set(static_cast<std::int64_t>(i), static_cast<double>(dc.accepted[i]));
-    p.num_accepted_tokens = acc.view;
-  }
-  return p;
-}
-
-// The expected o [N, T, HV, V] and pool after the decode, from the fp64 oracle run on each row.
-struct Expected {
-  std::vector<double> o, pool;
-};
-
-Expected oracle_decode(const DecodeCase& dc, const DecodeData& d) {
-  const Case& c = dc.c;
-  Expected e;
-  e.o.assign(static_cast<std::size_t>(c.B * c.T * c.HV * c.V), 0.0);
-  e.pool = d.pool.to_double();
-  const std::vector<double> pool0 = e.pool;
-  const std::int64_t slot = c.HV * c.K * c.V;
-  const bool per_token = static_cast<std::int64_t>(dc.idx.size()) == c.B * c.T && c.T > 1;
-  for (std::int64_t n = 0; n < c.B; ++n) {
-    const std::int64_t first = dc.accepted.empty() ? 0 : dc.accepted[n] - 1;
-    const std::int64_t read = per_token ? dc.idx[n * c.T + first] : dc.idx[n];
-    if (read < 0) continue;
-    // One row as a fixed-length sequence, chunk size 1: chunk_states[t] is the state before token t.
-    Case one = c;
-    one.B = 1;
-    one.chunk = 1;
-    one.initial_state = true;
-    one.final_state = true;
-    Inputs row = slice_sequence(c, d.in, n, 0, c.T, 0);
-    row.h0 = one.layout == StateLayout::kKFirst ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V})
-                                                : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
-    for (std::int64_t i = 0; i < slot; ++i) row.h0.set(i, pool0[read * slot + i]);
-    HostTensor o(DType::kF64, {1, c.T, c.HV, c.V});
-    HostTensor ht = one.layout == StateLayout::kKFirst ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V})
-                                                       : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
-    HostTensor states = one.layout == StateLayout::kKFirst ? HostTensor(DType::kF64, {c.T, c.HV, c.K, c.V})
-                                                           : HostTensor(DType::kF64, {c.T, c.HV, c.V, c.K});
-    ForwardParams f = make_params(one, row, o, ht);
-    f.chunk_states = states.view;
-    const Status s = reference_forward(f);
-    EXPECT_TRUE(s.ok()) << s.message();
-    for (std::int64_t i = 0; i < c.T * c.HV * c.V; ++i) e.o[n * c.T * c.HV * c.V + i] = o.get(i);
-    for (std::int64_t t = 0; t < c.T; ++t) {
-      std::int64_t w = -1;
-      if (per_token) w = dc.idx[n * c.T + t];
-      else if (t == c.T - 1) w = read;
-      if (w < 0) continue;
-      for (std::int64_t i = 0; i < slot; ++i)
-        e.pool[w * slot + i] = t + 1 < c.T ? states.get((t + 1) * slot + i) : ht.get(i);
-    }
-  }
-  return e;
-}
-
 void expect_decode_matches_oracle(const DecodeCase& dc) {
-  DecodeData d = make_decode_data(dc);
-  const Expected e = oracle_decode(dc, d);
-  HostTensor o(dc.c.dtype, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
-  o.fill(12345.0);
-  const DecodeParams p = decode_params(dc, d, o, idx, acc);
-  const Status s = decode(p);
-  ASSERT_TRUE(s.ok()) << s.message();
-  const double bound = forward_bound(dc.c.dtype);
-  const Metric mo = compare(o.to_double(), e.o);
-  EXPECT_TRUE(mo.finite && mo.rel <= bound) << "o: " << mo.str() << "\n" << dc.c.describe();
-  const Metric mp = compare(d.pool.to_double(), e.pool);
-  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str() << "\n" << dc.c.describe();
+  expect_decode_exec_matches_oracle(dc, [](const DecodeParams& p) { return decode(p); }, "decode");
 }
 
-struct DecodeOptionCase {
-  const char* name;
-  DType dtype;
-  Gate gate;
-  bool l2norm, beta_sigmoid, neg_eig;
-  StateLayout layout;
-  std::int64_t H, HV, K, V;
-};
+class DecodeOptions : public ::testing::TestWithParam<DecodeCase> {};
 
-const DecodeOptionCase kDecodeOptions[] = {
-    {"logdecay_f32", DType::kF32, Gate::kLogDecay, true, false, false, StateLayout::kKFirst, 2, 2, 32, 32},
-    {"softplus_grouped_vfirst", DType::kF32, Gate::kSoftplus, true, false, false, StateLayout::kVFirst, 2, 4, 48, 24},
-    {"lowerbound_beta_sigmoid", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kKFirst, 1, 2, 60, 100},
-    {"no_l2norm_bf16", DType::kBF16, Gate::kLogDecay, false, false, false, StateLayout::kVFirst, 1, 1, 128, 128},
-    {"f16_softplus", DType::kF16, Gate::kSoftplus, true, true, false, StateLayout::kKFirst, 2, 2, 16, 64},
-};
+// decode_option_cases(): every gate, dtype, layout and head shape, one token per row (with a
+// padding row) and draft tokens with per-token slots and accepted counts (a rejected token's
+// state not kept); o and the pool against the oracle, untouched slots bitwise unchanged.
+TEST_P(DecodeOptions, MatchesOracle) { expect_decode_matches_oracle(GetParam()); }
 
-class DecodeOptions : public ::testing::TestWithParam<DecodeOptionCase> {};
-
-TEST_P(DecodeOptions, SingleTokenMatchesOracle) {
-  const DecodeOptionCase& oc = GetParam();
-  DecodeCase dc;
-  dc.c.B = 4, dc.c.T = 1, dc.c.H = oc.H, dc.c.HV = oc.HV, dc.c.K = oc.K, dc.c.V = oc.V;
-  dc.c.dtype = oc.dtype, dc.c.gate = oc.gate, dc.c.l2norm = oc.l2norm, dc.c.beta_sigmoid = oc.beta_sigmoid;
-  dc.c.neg_eigval = oc.neg_eig, dc.c.layout = oc.layout;
-  dc.idx = {5, 0, -1, 2};  // row 2 is padding
-  expect_decode_matches_oracle(dc);
-}
-
-TEST_P(DecodeOptions, DraftTokensWithPerTokenSlotsMatchOracle) {
-  const DecodeOptionCase& oc = GetParam();
-  DecodeCase dc;
-  dc.c.B = 3, dc.c.T = 4, dc.c.H = oc.H, dc.c.HV = oc.HV, dc.c.K = oc.K, dc.c.V = oc.V;
-  dc.c.dtype = oc.dtype, dc.c.gate = oc.gate, dc.c.l2norm = oc.l2norm, dc.c.beta_sigmoid = oc.beta_sigmoid;
-  dc.c.neg_eigval = oc.neg_eig, dc.c.layout = oc.layout;
-  dc.slots = 16;
-  dc.idx = {1, 2, 3, 4,  //
-            5, 6, -1, 7,  // token 2's state is not kept
-            8, 9, 10, 11};
-  dc.accepted = {1, 2, 4};  // row 1 reads slot 6, row 2 reads slot 11
-  expect_decode_matches_oracle(dc);
-}
-
-INSTANTIATE_TEST_SUITE_P(Decode, DecodeOptions, ::testing::ValuesIn(kDecodeOptions),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeOptions, ::testing::ValuesIn(decode_option_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 // Decoding T tokens one call at a time equals one prefill of T tokens, and the prefill's final
 // state decodes correctly in both layouts.
@@ -231,12 +89,13 @@ TEST_P(PrefillThenDecode, TokenByTokenEqualsPrefillAndContinuesIt) {
   dc.idx = {1, 0};
   DecodeData d = make_decode_data(dc);
   for (std::int64_t i = 0; i < 2 * slot; ++i) d.pool.set(i, prefill.ht[i]);
-  const Expected e = oracle_decode(dc, d);
+  std::vector<double> eo, ep;
+  oracle_decode(dc, d, &eo, &ep);
   HostTensor o(c.dtype, {c.B, 1, c.HV, c.V}), idx, acc;
-  const DecodeParams dp = decode_params(dc, d, o, idx, acc);
+  const DecodeParams dp = make_decode_params(dc, d, o, idx, acc);
   ASSERT_TRUE(decode(dp).ok());
-  EXPECT_LE(compare(o.to_double(), e.o).rel, 1e-5);
-  EXPECT_LE(compare(d.pool.to_double(), e.pool).rel, 1e-5);
+  EXPECT_LE(compare(o.to_double(), eo).rel, 1e-5);
+  EXPECT_LE(compare(d.pool.to_double(), ep).rel, 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, PrefillThenDecode, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
@@ -254,7 +113,7 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   const std::vector<double> before = d.pool.to_double();
   HostTensor o(DType::kF32, {3, 2, 2, 16}), idx, acc;
   o.fill(12345.0);
-  const DecodeParams p = decode_params(dc, d, o, idx, acc);
+  const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
   ASSERT_TRUE(decode(p).ok());
   const std::vector<double> after = d.pool.to_double();
   for (std::int64_t s : {0, 1, 3, 5, 7, 8, 9})
@@ -286,7 +145,7 @@ TEST_P(DecodeErrors, NamesTheArgumentAndWritesNothing) {
   const std::vector<double> before = d.pool.to_double();
   HostTensor o(DType::kF32, {3, de.T, 1, 16}), idx, acc;
   o.fill(7.0);
-  const DecodeParams p = decode_params(dc, d, o, idx, acc);
+  const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
   const Status s = decode(p);
   ASSERT_FALSE(s.ok());
   for (const auto& sub : de.message_has)
@@ -312,13 +171,13 @@ TEST(DecodeErrorsShape, PoolShapeAndDtype) {
   dc.idx = {0, 1};
   DecodeData d = make_decode_data(dc);
   HostTensor o(DType::kF32, {2, 1, 2, 8}), idx, acc;
-  DecodeParams p = decode_params(dc, d, o, idx, acc);
+  DecodeParams p = make_decode_params(dc, d, o, idx, acc);
   p.options.state_layout = StateLayout::kVFirst;  // the pool is K-first
   Status s = decode(p);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("'state_pool'"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("[slots, HV, V, K]"), std::string::npos) << s.message();
-  p = decode_params(dc, d, o, idx, acc);
+  p = make_decode_params(dc, d, o, idx, acc);
   p.state_pool.dtype = DType::kBF16;
   s = decode(p);
   ASSERT_FALSE(s.ok());
