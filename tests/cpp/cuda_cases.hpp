@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "decode_cases.hpp"
+#include "forward_cases.hpp"
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -57,36 +58,10 @@ inline std::vector<NamedCase> cuda_forward_cases() {
       b.seed = 1;
       out.push_back({"shape_" + shape + "_bf16", b});
     }
-  // Options (test_forward_oracle.cpp OptionMatrix) in every dtype.
-  struct Opt {
-    const char* name;
-    Gate gate;
-    bool l2norm, beta_sigmoid, neg_eig, h0, ht;
-    StateLayout layout;
-    int chunk;
-  };
-  const Opt opts[] = {
-      {"logdecay", Gate::kLogDecay, true, false, false, false, true, StateLayout::kKFirst, 64},
-      {"softplus", Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 64},
-      {"lowerbound", Gate::kLowerBound, true, false, false, true, true, StateLayout::kKFirst, 64},
-      {"no_l2norm", Gate::kLogDecay, false, false, false, true, true, StateLayout::kKFirst, 64},
-      {"beta_sigmoid", Gate::kSoftplus, true, true, false, false, true, StateLayout::kKFirst, 64},
-      {"neg_eigval", Gate::kLowerBound, true, true, true, true, true, StateLayout::kKFirst, 64},
-      {"vfirst", Gate::kLogDecay, true, false, false, true, true, StateLayout::kVFirst, 64},
-      {"no_states", Gate::kLogDecay, true, false, false, false, false, StateLayout::kKFirst, 64},
-      {"chunk32", Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 32},
-      {"chunk16", Gate::kLowerBound, false, true, false, true, true, StateLayout::kVFirst, 16},
-  };
-  for (const Opt& o : opts)
-    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
-      Case c;
-      c.T = 150, c.H = 2, c.HV = 4, c.K = 60, c.V = 100;
-      c.dtype = dt;
-      c.gate = o.gate, c.l2norm = o.l2norm, c.beta_sigmoid = o.beta_sigmoid, c.neg_eigval = o.neg_eig;
-      c.initial_state = o.h0, c.final_state = o.ht, c.layout = o.layout, c.chunk = o.chunk;
-      c.seed = 7;
-      out.push_back({std::string("option_") + o.name + "_" + dtype_name(dt), c});
-    }
+  // Options (forward_cases.hpp, test_forward_oracle.cpp OptionMatrix) in every dtype.
+  for (const OptionCase& o : option_cases())
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16})
+      out.push_back({std::string("option_") + o.name + "_" + dtype_name(dt), option_case(o, dt)});
   // Packed sequences (test_varlen.cpp): cu_seqlens with boundaries anywhere and empty segments.
   const std::pair<const char*, std::vector<std::int64_t>> cus[] = {
       {"single_15", {0, 15}},

@@ -1,6 +1,7 @@
 // The forward against the fp64 oracle (SPEC.md section 4 bounds), both paths, over the
 // matrix of the forward issue: T, (K, V), (H, HV), dtypes, gate modes, l2norm, beta sigmoid,
 // state layouts, initial/final states, chunk sizes.
+#include "forward_cases.hpp"
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -73,43 +74,18 @@ INSTANTIATE_TEST_SUITE_P(Forward, ShapeMatrix,
                            return shape_name(std::get<0>(info.param)) + "_" + path_name(std::get<1>(info.param));
                          });
 
-// Options, each crossed with dtype and path on a shape with a partial last chunk.
-struct OptionCase {
-  const char* name;
-  Gate gate;
-  bool l2norm, beta_sigmoid, neg_eig, h0, ht;
-  StateLayout layout;
-  int chunk;
-};
-
-const OptionCase kOptions[] = {
-    {"logdecay", Gate::kLogDecay, true, false, false, false, true, StateLayout::kKFirst, 64},
-    {"softplus", Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 64},
-    {"lowerbound", Gate::kLowerBound, true, false, false, true, true, StateLayout::kKFirst, 64},
-    {"no_l2norm", Gate::kLogDecay, false, false, false, true, true, StateLayout::kKFirst, 64},
-    {"beta_sigmoid", Gate::kSoftplus, true, true, false, false, true, StateLayout::kKFirst, 64},
-    {"neg_eigval", Gate::kLowerBound, true, true, true, true, true, StateLayout::kKFirst, 64},
-    {"vfirst", Gate::kLogDecay, true, false, false, true, true, StateLayout::kVFirst, 64},
-    {"no_states", Gate::kLogDecay, true, false, false, false, false, StateLayout::kKFirst, 64},
-    {"chunk32", Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 32},
-    {"chunk16", Gate::kLowerBound, false, true, false, true, true, StateLayout::kVFirst, 16},
-};
-
+// Options (forward_cases.hpp), each crossed with dtype and path.
 class OptionMatrix : public ::testing::TestWithParam<std::tuple<OptionCase, DType, Path>> {};
 
 TEST_P(OptionMatrix, MatchesOracle) {
   const auto [oc, dtype, path] = GetParam();
-  Case c;
-  c.T = 150, c.H = 2, c.HV = 4, c.K = 60, c.V = 100;
-  c.dtype = dtype, c.path = path;
-  c.gate = oc.gate, c.l2norm = oc.l2norm, c.beta_sigmoid = oc.beta_sigmoid, c.neg_eigval = oc.neg_eig;
-  c.initial_state = oc.h0, c.final_state = oc.ht, c.layout = oc.layout, c.chunk = oc.chunk;
-  c.seed = 7;
+  Case c = option_case(oc, dtype);
+  c.path = path;
   expect_matches_oracle(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Forward, OptionMatrix,
-                         ::testing::Combine(::testing::ValuesIn(kOptions),
+                         ::testing::Combine(::testing::ValuesIn(option_cases()),
                                             ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                                             ::testing::Values(Path::kFused, Path::kStaged)),
                          [](const auto& info) {
