@@ -120,7 +120,7 @@ def _dims(x, n):
 def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             cu_seqlens, segment_ids, max_num_segments, state_v_first, chunk_size, path, num_threads,
-            initial_state_indices=None):
+            initial_state_indices=None, bf16_dot_products=True):
     """The forward's inputs and options as binding keyword arguments."""
     fl = _FLOAT_NAMES + (" (or float64 for the oracle)" if oracle else "")
     return dict(
@@ -140,6 +140,7 @@ def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_
         state_v_first=bool(state_v_first),
         path=str(path),
         num_threads=0 if num_threads is None else int(num_threads),
+        bf16_dot_products=bool(bf16_dot_products),
     )
 
 
@@ -248,7 +249,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
               cu_seqlens=None, segment_ids=None, max_num_segments=None, state_v_first=False,
-              chunk_size=64, path="fused", num_threads=None, return_intermediate_states=False):
+              chunk_size=64, path="fused", num_threads=None, return_intermediate_states=False,
+              bf16_dot_products=True):
     """The chunked KDA forward on the CPU. Returns (o, final_state), or (o, final_state, h)
     with return_intermediate_states=True.
 
@@ -268,6 +270,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     scale None means K^-0.5; lower_bound None means no lower bound; path is "fused" or
     "staged"; chunk_size is 64, 32 or 16; num_threads None uses all cores.
+    bf16_dot_products: with bf16 inputs on a CPU with AVX512_BF16, the fused path's state
+    products run as bf16 dot products with fp32 accumulation (the default, as FLA's bf16 kernels
+    do on tensor cores); False keeps them in fp32. No effect for fp32/fp16 inputs.
     Raises ValueError naming the offending argument.
     """
     return _run(_libkda.forward, False, q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -277,7 +282,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                 lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                 max_num_segments=max_num_segments, state_v_first=state_v_first, chunk_size=chunk_size,
-                path=path, num_threads=num_threads)
+                path=path, num_threads=num_threads, bf16_dot_products=bf16_dot_products)
 
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -302,12 +307,14 @@ def chunk_kda_fwd_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_sta
                       output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                       A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False,
                       allow_neg_eigval=False, cu_seqlens=None, segment_ids=None, max_num_segments=None,
-                      state_v_first=False, chunk_size=64, path="fused", num_threads=None, residuals="saved"):
+                      state_v_first=False, chunk_size=64, path="fused", num_threads=None, residuals="saved",
+                      bf16_dot_products=True):
     """The chunked KDA forward and its backward on the CPU (SPEC.md section 2).
 
     do is the cotangent of o (o's shape [B, T, HV, V]; float32, bfloat16 or float16); dht,
     optional, that of the final state (the final-state shape, see chunk_kda; any float dtype,
-    float64 too). The other arguments are chunk_kda's.
+    float64 too). The other arguments are chunk_kda's (bf16_dot_products applies to the
+    backward's state products too).
     residuals: "saved" (the forward keeps the state entering every chunk, float32
     [NC, HV, K, V] or [NC, HV, V, K] with state_v_first, and the backward reuses it) or "remat"
     (nothing is kept; the backward recomputes the states). Both give the same gradients.
@@ -327,7 +334,8 @@ def chunk_kda_fwd_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_sta
                         lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                         allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                         max_num_segments=max_num_segments, state_v_first=state_v_first,
-                        chunk_size=chunk_size, path=path, num_threads=num_threads)
+                        chunk_size=chunk_size, path=path, num_threads=num_threads,
+                        bf16_dot_products=bf16_dot_products)
 
 
 def naive_recurrent_kda_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
@@ -355,7 +363,8 @@ def kda_inference(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                   cu_seqlens=None, segment_ids=None, max_num_segments=None, state_v_first=False,
-                  chunk_size=64, path="fused", num_threads=None, initial_state_indices=None):
+                  chunk_size=64, path="fused", num_threads=None, initial_state_indices=None,
+                  bf16_dot_products=True):
     """The inference forward (SPEC.md section 3): chunk_kda without residuals -- nothing is kept
     for a backward, so peak memory is the inputs, the outputs and per-thread scratch. Returns
     (o, final_state) exactly as chunk_kda does (bitwise the same values for the same inputs).
@@ -366,7 +375,8 @@ def kda_inference(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     initial_state_indices[n] (negative: the zero state). The pool is read in place, never
     gathered or copied, and is not written. final_state, with output_final_state=True, is per
     sequence: float32 [N, HV, K, V] (V-first: [N, HV, V, K]); write it back into the pool with
-    pool[indices] = final_state where wanted. Raises ValueError naming the offending argument.
+    pool[indices] = final_state where wanted. bf16_dot_products: as in chunk_kda. Raises
+    ValueError naming the offending argument.
     """
     return _run(_libkda.forward, False, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                 initial_state_indices=initial_state_indices, output_final_state=output_final_state,
@@ -374,7 +384,8 @@ def kda_inference(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                 cu_seqlens=cu_seqlens, segment_ids=segment_ids, max_num_segments=max_num_segments,
-                state_v_first=state_v_first, chunk_size=chunk_size, path=path, num_threads=num_threads)
+                state_v_first=state_v_first, chunk_size=chunk_size, path=path, num_threads=num_threads,
+                bf16_dot_products=bf16_dot_products)
 
 
 def _state_pool_arg(x):

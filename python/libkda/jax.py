@@ -44,7 +44,7 @@ for _name, _capsule in _libkda.jax_ffi_targets().items():
 _HAS_A_LOG, _HAS_DT_BIAS, _HAS_SEGMENT_IDS, _HAS_INITIAL_STATE = 1, 2, 4, 8
 _HAS_CHUNK_STATES, _HAS_D_FINAL_STATE, _WANT_DH0, _WANT_DA_LOG, _WANT_DDT_BIAS = 16, 32, 64, 128, 256
 _WANT_FINAL_STATE = 512
-_L2NORM, _GATE, _BETA_SIGMOID, _NEG_EIGVAL = 1, 2, 4, 8
+_L2NORM, _GATE, _BETA_SIGMOID, _NEG_EIGVAL, _FP32_PRODUCTS = 1, 2, 4, 8, 32
 
 
 class _Config(NamedTuple):
@@ -196,7 +196,7 @@ _IMPLEMENTATIONS = ("xla", "mosaic", "mosaic_tpu", "pallas_tpu")
 
 # The libkda options beyond Tokamax's signature (through **options), with their defaults.
 _EXTENSIONS = dict(chunk_size=64, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                   rematerialize_for_backward=False)
+                   rematerialize_for_backward=False, bf16_dot_products=True)
 # The older experimental API's keywords (A_log, dt_bias, ...) -> the current names.
 _ALIASES = dict(A_log="a_log", dt_bias="delta_time_bias", use_qk_l2norm_in_kernel="use_qk_l2norm",
                 N_max="max_num_segments", cp_context="context_parallel_metadata")
@@ -309,8 +309,10 @@ def kimi_delta_attention(
         run libkda's kernels); anything else raises ``ValueError("Unknown implementation: ...")``.
       **options: libkda extensions -- ``chunk_size`` (64, 32 or 16),
         ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, ``rematerialize_for_backward`` (False:
-        the forward saves the state entering every chunk for the backward; True: recompute) -- and
-        the older experimental API's keywords: ``A_log``, ``dt_bias``, ``use_qk_l2norm_in_kernel``,
+        the forward saves the state entering every chunk for the backward; True: recompute),
+        ``bf16_dot_products`` (True: with bf16 inputs on AVX512_BF16 CPUs the state products run
+        as bf16 dot products with fp32 accumulation; False: fp32) -- and the older experimental
+        API's keywords: ``A_log``, ``dt_bias``, ``use_qk_l2norm_in_kernel``,
         ``N_max`` (= max_num_segments), ``cp_context`` (as context_parallel_metadata),
         ``safe_gate`` (True with the gate in kernel requires ``lower_bound`` in [-5, 0)) and
         ``disable_recompute`` (= not rematerialize_for_backward). Unknown keys raise TypeError.
@@ -329,6 +331,7 @@ def kimi_delta_attention(
     _check_context_parallel(current["context_parallel_metadata"])
     chunk_size, use_beta_sigmoid_in_kernel = ext["chunk_size"], ext["use_beta_sigmoid_in_kernel"]
     allow_neg_eigval, rematerialize_for_backward = ext["allow_neg_eigval"], ext["rematerialize_for_backward"]
+    bf16_dot_products = bool(ext["bf16_dot_products"])
     if query.ndim != 4 or value.ndim != 4:
         raise ValueError(
             f"kda: query must be [H, B, T, K] and value [HV, B, T, V]; got {query.shape} and {value.shape}")
@@ -382,7 +385,8 @@ def kimi_delta_attention(
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"`chunk_size` must be 64, 32 or 16, got {chunk_size}.")
     flags = ((_L2NORM if use_qk_l2norm else 0) | (_GATE if use_gate_in_kernel else 0)
-             | (_BETA_SIGMOID if use_beta_sigmoid_in_kernel else 0) | (_NEG_EIGVAL if allow_neg_eigval else 0))
+             | (_BETA_SIGMOID if use_beta_sigmoid_in_kernel else 0) | (_NEG_EIGVAL if allow_neg_eigval else 0)
+             | (0 if bf16_dot_products else _FP32_PRODUCTS))
     oracle = jax.dtypes.canonicalize_dtype(query.dtype) == jnp.float64
     cfg = _Config(
         scale=None if scale is None else float(scale),

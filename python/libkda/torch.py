@@ -36,7 +36,7 @@ __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "kda_d
 _raw_forward = _libkda.raw_forward
 _raw_backward = _libkda.raw_backward
 _raw_decode = _libkda.raw_decode
-_L2NORM, _GATE, _BETA_SIGMOID, _NEG_EIGVAL, _V_FIRST = _libkda.RAW_FLAGS
+_L2NORM, _GATE, _BETA_SIGMOID, _NEG_EIGVAL, _V_FIRST, _FP32_PRODUCTS = _libkda.RAW_FLAGS
 _NAN = float("nan")
 
 # kda::DType numbering (python/src/raw.cpp).
@@ -463,6 +463,8 @@ def chunk_kda(
         lower_bound = None  # FLA: the lower bound only shapes the in-kernel gate
     flags = _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                    state_v_first)
+    if not kwargs.pop("bf16_dot_products", True):  # libkda's option (not FLA's): fp32 state products
+        flags |= _FP32_PRODUCTS
     scale = None if scale is None else float(scale)
 
     if return_intermediate_states:

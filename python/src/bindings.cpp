@@ -98,7 +98,8 @@ kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const I
                                   const In& initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel,
                                   bool use_gate_in_kernel, std::optional<float> lower_bound,
                                   bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, int chunk_size,
-                                  bool state_v_first, const std::string& path, int num_threads) {
+                                  bool state_v_first, const std::string& path, int num_threads,
+                                  bool bf16_dot_products) {
   kda::ForwardParams p;
   p.q = make_view(q, "q");
   p.k = make_view(k, "k");
@@ -116,6 +117,7 @@ kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const I
                            allow_neg_eigval, state_v_first, num_threads);
   p.options.chunk_size = chunk_size;
   p.options.path = parse_path(path);
+  p.options.bf16_dot_products = bf16_dot_products;
   return p;
 }
 
@@ -136,11 +138,11 @@ void call(Fn&& fn) {
       const In &cu_seqlens, const In &segment_ids, std::int64_t max_num_segments, const In &initial_state,   \
       const In &initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,                     \
       std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,              \
-      int chunk_size, bool state_v_first, const std::string &path, int num_threads
+      int chunk_size, bool state_v_first, const std::string &path, int num_threads, bool bf16_dot_products
 #define KDA_FORWARD_PARAMS                                                                                   \
   forward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, max_num_segments, initial_state, \
                  initial_state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, \
-                 allow_neg_eigval, chunk_size, state_v_first, path, num_threads)
+                 allow_neg_eigval, chunk_size, state_v_first, path, num_threads, bf16_dot_products)
 
 using ForwardEntry = kda::Status (*)(const kda::ForwardParams&);
 using BackwardEntry = kda::Status (*)(const kda::BackwardParams&);
@@ -221,7 +223,7 @@ void decode_entry(const In& q, const In& k, const In& v, const In& g, const In& 
       nb::arg("use_gate_in_kernel") = false, nb::arg("lower_bound").none() = nb::none(),                      \
       nb::arg("use_beta_sigmoid_in_kernel") = false, nb::arg("allow_neg_eigval") = false,                     \
       nb::arg("chunk_size") = 64, nb::arg("state_v_first") = false, nb::arg("path") = "fused",                \
-      nb::arg("num_threads") = 0
+      nb::arg("num_threads") = 0, nb::arg("bf16_dot_products") = true
 
 template <typename Fn>
 void def_forward(nb::module_& m, const char* name, Fn fn, const char* doc) {

@@ -47,6 +47,7 @@ constexpr std::int64_t kL2Norm = 1;
 constexpr std::int64_t kGateInKernel = 2;
 constexpr std::int64_t kBetaSigmoid = 4;
 constexpr std::int64_t kAllowNegEigval = 8;
+constexpr std::int64_t kFp32Products = 32;  // Options::bf16_dot_products = false
 
 ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument("kda (jax ffi): " + msg); }
 
@@ -158,6 +159,7 @@ kda::Options options_of(float scale, float lower_bound, std::int64_t flags, std:
   opt.allow_neg_eigval = (flags & kAllowNegEigval) != 0;
   opt.chunk_size = static_cast<int>(chunk_size);
   opt.state_layout = kda::StateLayout::kKFirst;
+  opt.bf16_dot_products = (flags & kFp32Products) == 0;
   return opt;
 }
 

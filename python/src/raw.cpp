@@ -29,6 +29,7 @@ constexpr std::int64_t kGateInKernel = 2;
 constexpr std::int64_t kBetaSigmoid = 4;
 constexpr std::int64_t kAllowNegEigval = 8;
 constexpr std::int64_t kVFirst = 16;
+constexpr std::int64_t kFp32Products = 32;  // Options::bf16_dot_products = false
 
 [[noreturn]] void bad_descriptor(const char* name, const char* what) {
   throw nb::value_error(
@@ -95,6 +96,7 @@ kda::Options options_of(double scale, double lower_bound, std::int64_t flags, st
   opt.use_beta_sigmoid_in_kernel = (flags & kBetaSigmoid) != 0;
   opt.allow_neg_eigval = (flags & kAllowNegEigval) != 0;
   opt.state_layout = (flags & kVFirst) ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;
+  opt.bf16_dot_products = (flags & kFp32Products) == 0;
   opt.num_threads = static_cast<int>(num_threads);
   return opt;
 }
@@ -253,5 +255,5 @@ void kda_register_raw(nb::module_& m) {
         nb::arg("num_threads"),
         "Raw-pointer kda::decode. tensors: q, k, v, g, beta, A_log, dt_bias, state_pool (in place), "
         "slot_indices, num_accepted_tokens, o.");
-  m.attr("RAW_FLAGS") = nb::make_tuple(kL2Norm, kGateInKernel, kBetaSigmoid, kAllowNegEigval, kVFirst);
+  m.attr("RAW_FLAGS") = nb::make_tuple(kL2Norm, kGateInKernel, kBetaSigmoid, kAllowNegEigval, kVFirst, kFp32Products);
 }

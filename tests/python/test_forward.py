@@ -189,3 +189,22 @@ def test_empty_sequence(rng):
     o, s = libkda.chunk_kda(**x, initial_state=h0, output_final_state=True)
     assert o.shape == (1, 0, 2, 8)
     np.testing.assert_array_equal(s, h0)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_bf16_dot_products_option(rng, chunk_size):
+    """bf16_dot_products=False keeps the state products in fp32: at chunk size 16 the fused path
+    then computes exactly what the staged path (always fp32 products) does. Both settings stay
+    within the bf16 bound of the oracle."""
+    x = make_inputs(rng, B=1, T=150, H=2, HV=4, K=32, V=48, dtype=BF16)
+    ref_o, ref_s = libkda.naive_recurrent_kda(**x, output_final_state=True)
+    for bf16_products in (True, False):
+        o, s = libkda.chunk_kda(**x, output_final_state=True, chunk_size=chunk_size,
+                                bf16_dot_products=bf16_products)
+        assert_close(o, ref_o, BOUND[BF16])
+        assert_close(s, ref_s, BOUND[BF16], "final_state")
+    if chunk_size == 16:
+        o_f, s_f = libkda.chunk_kda(**x, output_final_state=True, chunk_size=16, bf16_dot_products=False)
+        o_s, s_s = libkda.chunk_kda(**x, output_final_state=True, chunk_size=16, path="staged")
+        assert_bitwise(o_f, o_s)
+        assert_bitwise(s_f, s_s, "final_state")

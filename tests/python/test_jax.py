@@ -442,3 +442,18 @@ def test_batch_first_api():
         kda_bf(q, k[:, :-1], v, g, beta)
     with pytest.raises(ValueError, match="`initial_state` shape"):
         kda_bf(q, k, v, g, beta, initial_state=h0)  # the head-first [B, N, H, K, V] state is not guessed
+
+
+def test_bf16_dot_products_option():
+    """libkda's bf16_dot_products through **options: the same results as the numpy binding
+    with the same setting."""
+    x, extra, h0 = make(41, T=90, dtype=BF16)
+    xb = {n: np.moveaxis(a, 0, 2) for n, a in x.items()}  # head-first -> batch-first, same values
+    xb = dict(q=xb["query"], k=xb["key"], v=xb["value"], g=xb["gate"], beta=xb["beta"])
+    for bf16_products in (True, False):
+        o, fs = kj.kimi_delta_attention(**x, initial_state=h0, output_final_state=True,
+                                        bf16_dot_products=bf16_products)
+        ro, rfs = libkda.chunk_kda(**xb, initial_state=h0[:, 0], output_final_state=True,
+                                   bf16_dot_products=bf16_products)
+        assert np.array_equal(np.asarray(o), hf(ro)), bf16_products
+        assert np.array_equal(np.asarray(fs)[:, 0], rfs), bf16_products

@@ -189,6 +189,19 @@ def test_return_intermediate_states_in_input_dtype():
     assert torch.equal(h.reshape(-1, 2, 16, 8), torch.from_numpy(rh).to(torch.bfloat16))
 
 
+def test_bf16_dot_products_reaches_the_kernel():
+    """libkda's bf16_dot_products (not an FLA option) through chunk_kda's kwargs: the same
+    results as the numpy binding with the same setting, forward and gradients."""
+    x, _, h0 = make(31, T=90, dtype=torch.bfloat16)
+    xn = {n: t.to(torch.float32).numpy().astype(BF16) for n, t in x.items()}
+    for bf16_products in (True, False):
+        o, ht = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, bf16_dot_products=bf16_products)
+        ro, rht = libkda.chunk_kda(**xn, initial_state=h0.numpy(), output_final_state=True,
+                                   bf16_dot_products=bf16_products)
+        assert torch.equal(o, torch.from_numpy(ro.astype(np.float32)).to(torch.bfloat16)), bf16_products
+        assert np.array_equal(ht.numpy(), rht), bf16_products
+
+
 def test_chunk_size_follows_fla():
     x, _, h0 = make(30, T=40)
     for bad in (16, 128, 0):
