@@ -8,12 +8,16 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstdint>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 
 namespace kda_bench {
@@ -67,6 +71,27 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_loop(std::int64_t iters
 
 }  // namespace
 
+double stream_update_seconds(float* a, std::int64_t n, int threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) a[i] = a[i] * 0.9999f + 0.0001f;
+  return seconds_since(t0);
+}
+
+std::unique_ptr<float, void (*)(void*)> stream_buffer(std::int64_t n, int threads) {
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  const std::size_t bytes = (static_cast<std::size_t>(n) * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+  float* a = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
+  if (a != nullptr) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(a, bytes, MADV_HUGEPAGE);
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<float>(i & 1023);
+  }
+  return {a, std::free};
+}
+
 MachineLimits measure_limits(int threads) {
   MachineLimits m;
   const int nt = threads > 0 ? threads : omp_get_max_threads();
@@ -92,12 +117,7 @@ MachineLimits measure_limits(int threads) {
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<float>(i & 1023);
   std::vector<double> times;
-  for (int it = 0; it < 5; ++it) {
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) a[i] = a[i] * 0.9999f + 0.0001f;
-    times.push_back(seconds_since(t0));
-  }
+  for (int it = 0; it < 5; ++it) times.push_back(stream_update_seconds(a, n, nt));
   std::sort(times.begin(), times.end());
   m.bandwidth_gbps = 2.0 * n * sizeof(float) / times[times.size() / 2] / 1e9;
   m.threads = nt;
