@@ -19,7 +19,8 @@ namespace kda {
 //   o            [B, T, HV, V]     output, dtype of q (the oracle also accepts fp64)
 // Sequences: at most one of
 //   cu_seqlens   [N + 1]  int32/int64, B must be 1
-//   segment_ids  [T] or [B, T] int32, 1-indexed, 0 = padding (tail only); needs max_num_segments
+//   segment_ids  [T] or [B, T] int32, contiguous runs 1, 2, 3, ... in order; 0 = padding (anywhere: leading,
+//                between segments, trailing); needs max_num_segments
 // States (V-first swaps the last two dims), fp32 (initial_state: any float dtype):
 //   fixed [B, HV, K, V]; cu_seqlens [N, HV, K, V]; segment_ids [B, max_num_segments, HV, K, V]
 struct ForwardParams {

@@ -193,6 +193,8 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 # Tokamax's implementation names (tokamax/_src/ops/experimental/kda/api.py: "xla", "mosaic",
 # registered as "mosaic_tpu"; older versions "pallas_tpu"). Every one runs libkda's kernels here.
 _IMPLEMENTATIONS = ("xla", "mosaic", "mosaic_tpu", "pallas_tpu")
+# The batch-first API's (tokamax/_src/ops/kda/api.py: Literal["xla", "xla_chunked"]).
+_BATCH_FIRST_IMPLEMENTATIONS = ("xla", "xla_chunked")
 
 # The libkda options beyond Tokamax's signature (through **options), with their defaults.
 _EXTENSIONS = dict(chunk_size=64, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
@@ -203,7 +205,13 @@ _ALIASES = dict(A_log="a_log", dt_bias="delta_time_bias", use_qk_l2norm_in_kerne
 _LEGACY = ("safe_gate", "disable_recompute")
 
 
-def _implementations(implementation, accepted):
+class UnknownImplementationError(ValueError, NotImplementedError):
+    """An implementation name libkda does not run. Tokamax's versions raise ValueError("Unknown
+    implementation ...") or, the older batch-first API, NotImplementedError("Only XLA implementation
+    is supported."); this is both, so either ``except``/``assertRaises`` catches it."""
+
+
+def _implementations(implementation, accepted, only_xla=False):
     if implementation is None:
         return
     impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
@@ -211,7 +219,8 @@ def _implementations(implementation, accepted):
         raise ValueError("`implementation` must not be an empty sequence.")
     for impl in impls:
         if impl not in accepted:
-            raise ValueError(f"Unknown implementation: {impl}")
+            suffix = " (Only XLA implementation is supported.)" if only_xla else ""
+            raise UnknownImplementationError(f"Unknown implementation: {impl}{suffix}")
 
 
 def _check_context_parallel(metadata):
@@ -301,7 +310,8 @@ def kimi_delta_attention(
       initial_state: ``[B, N, HV, K, V]`` (any float dtype); N = 1 without segment_ids.
       output_final_state: also return the final state, float32 ``[B, N, HV, K, V]``.
       use_qk_l2norm: L2-normalize query and key per token inside the kernel.
-      segment_ids: ``[B, T]`` int, 1-indexed runs 1, 2, 3, ... with 0 = padding at the tail.
+      segment_ids: ``[B, T]`` int, 1-indexed contiguous runs 1, 2, 3, ... in order; 0 = padding, anywhere
+        (leading, between segments, trailing) as in Tokamax's reference: o = 0, no gradient.
       max_num_segments: N with segment_ids (inferred from initial_state when omitted).
       context_parallel_metadata: None, or metadata whose mesh "context" axis has size 1 (ignored);
         real context parallelism raises NotImplementedError.
@@ -332,21 +342,32 @@ def kimi_delta_attention(
     chunk_size, use_beta_sigmoid_in_kernel = ext["chunk_size"], ext["use_beta_sigmoid_in_kernel"]
     allow_neg_eigval, rematerialize_for_backward = ext["allow_neg_eigval"], ext["rematerialize_for_backward"]
     bf16_dot_products = bool(ext["bf16_dot_products"])
-    if query.ndim != 4 or value.ndim != 4:
-        raise ValueError(
-            f"kda: query must be [H, B, T, K] and value [HV, B, T, V]; got {query.shape} and {value.shape}")
+    # Tokamax's wording ("`k` shape ... must match `q` shape ..."), which its tests match, with
+    # the argument's name here and the layout.
+    if query.ndim != 4:
+        raise ValueError(f"`q` must be rank 4 (argument 'query', head-first [H, B, T, K]), got shape "
+                         f"{tuple(query.shape)}.")
+    if value.ndim != 4:
+        raise ValueError(f"`v` must be rank 4 (argument 'value', head-first [HV, B, T, V]), got shape "
+                         f"{tuple(value.shape)}.")
     H, B, T, K = query.shape
     HV, V = value.shape[0], value.shape[3]
-    expected = dict(key=(H, B, T, K), value=(HV, B, T, V), gate=(HV, B, T, K), beta=(HV, B, T))
-    for name, arr in (("key", key), ("value", value), ("gate", gate), ("beta", beta)):
-        if tuple(arr.shape) != expected[name] or (name == "value" and (HV < H or HV % H)):
-            raise ValueError(
-                f"kda: argument '{name}': expected shape {list(expected[name])} (head-first; query is "
-                f"[H, B, T, K] = {list(query.shape)}, value [HV, B, T, V] with HV a multiple of H), "
-                f"got {list(arr.shape)}")
+    if tuple(key.shape) != (H, B, T, K):
+        raise ValueError(f"`k` shape {tuple(key.shape)} must match `q` shape {tuple(query.shape)} "
+                         "(argument 'key', head-first [H, B, T, K]).")
+    if value.shape[1:3] != (B, T) or HV < H or HV % H:
+        raise ValueError(f"`v` shape {tuple(value.shape)} must be [HV, B, T, V] = [HV, {B}, {T}, V] with HV a "
+                         f"multiple of H = {H} (argument 'value', head-first).")
+    if tuple(gate.shape) != (HV, B, T, K):
+        raise ValueError(f"`g` shape {tuple(gate.shape)} must be {(HV, B, T, K)} (argument 'gate', head-first "
+                         "[HV, B, T, K]).")
+    if tuple(beta.shape) != (HV, B, T):
+        raise ValueError(f"`beta` shape {tuple(beta.shape)} must be {(HV, B, T)} (argument 'beta', head-first "
+                         "[HV, B, T]).")
     if initial_state is not None:
         if initial_state.ndim != 5:
-            raise ValueError(f"kda: initial_state must be [B, N, HV, K, V], got {initial_state.shape}")
+            raise ValueError(f"`initial_state` must have shape [B, N, HV, K, V] (rank 5), got "
+                             f"{tuple(initial_state.shape)}.")
         state_count = initial_state.shape[1]
         if max_num_segments is None:
             max_num_segments = state_count
@@ -412,17 +433,14 @@ def _batch_first_kimi_delta_attention(q, k, v, g, beta, *, scale: float | None =
     """Tokamax's batch-first ``kimi_delta_attention`` (tokamax/_src/ops/kda/api.py) on libkda.
 
     q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; g is the log decay;
-    initial_state ``[B, H, K, V]``. implementation: None or "xla" (a sequence of them); any other
-    name raises ``NotImplementedError("Only XLA implementation is supported.")`` as in Tokamax.
+    initial_state ``[B, H, K, V]``. implementation: None, "xla" or "xla_chunked" (a sequence of
+    them); any other name raises ``UnknownImplementationError`` (a ValueError and a
+    NotImplementedError: "Unknown implementation: ... (Only XLA implementation is supported.)"),
+    which matches both Tokamax versions' tests.
     Runs the head-first ``kimi_delta_attention`` on transposed operands (XLA transposes; the
     gradients flow back through them). Returns ``(output [B, T, H, V] in q's dtype,
     final_state float32 [B, H, K, V] or None)``."""
-    if implementation is not None:
-        impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-        if not impls:
-            raise ValueError("`implementation` must not be an empty sequence.")
-        if set(impls) != {"xla"}:
-            raise NotImplementedError("Only XLA implementation is supported.")
+    _implementations(implementation, _BATCH_FIRST_IMPLEMENTATIONS, only_xla=True)
     if q.ndim != 4:
         raise ValueError(f"`q` must be rank 4, got shape {q.shape}.")
     B, T, H, K = q.shape
@@ -445,6 +463,16 @@ _batch_first_kimi_delta_attention.__name__ = "kimi_delta_attention"
 _batch_first_kimi_delta_attention.__qualname__ = "kimi_delta_attention"
 kimi_delta_attention_batch_first = _batch_first_kimi_delta_attention
 
+# Tokamax's head-first registries: "xla" only, so its tests of the TPU kernels (guarded by
+# `"mosaic_tpu" in IMPLEMENTATIONS`) skip; the names in _IMPLEMENTATIONS are still accepted.
+IMPLEMENTATIONS = {"xla": kimi_delta_attention}
+_DEFAULT_IMPLEMENTATIONS = ("xla",)
+
 kda = types.ModuleType(__name__ + ".kda", "Tokamax's batch-first KDA API (tokamax/_src/ops/kda/api.py) on libkda.")
 kda.kimi_delta_attention = _batch_first_kimi_delta_attention
+# Tokamax's registries (tests skip the TPU kernels when their name is absent): every entry runs
+# libkda's kernels.
+kda.IMPLEMENTATIONS = {name: _batch_first_kimi_delta_attention for name in _BATCH_FIRST_IMPLEMENTATIONS}
+kda._DEFAULT_IMPLEMENTATIONS = ("xla",)
+kda.UnknownImplementationError = UnknownImplementationError  # also libkda.jax.UnknownImplementationError
 sys.modules[kda.__name__] = kda  # `from libkda.jax.kda import kimi_delta_attention`

@@ -443,6 +443,11 @@ def chunk_kda(
             )
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
             raise ValueError(f"kda: argument 'cu_seqlens': expected shape [N + 1], got {list(cu_seqlens.shape)}")
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(
+                f"The number of initial states is expected to be equal to the number of input sequences, "
+                f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}."
+            )
     A_log = dt_bias = None
     if use_gate_in_kernel:
         A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
@@ -604,12 +609,18 @@ def fused_recurrent_kda_fwd(
             out.copy_(o)
             o = out
         return o, fs
-    if not inplace_final_state:
-        raise NotImplementedError(
-            "libkda.torch.fused_recurrent_kda_fwd: with ssm_state_indices only inplace_final_state=True is "
-            "supported (the pool is updated in place)")
     if initial_state is None:
         raise ValueError("fused_recurrent_kda_fwd: ssm_state_indices needs initial_state (the state pool)")
+    gate = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first)
+    if not inplace_final_state:
+        o, fs = _decode_out_of_place(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens,
+                                     cu_seqlens, gate)
+        if out is not None:
+            out.copy_(o.view(out.shape))
+            o = out
+        return o, fs
     o = kda_decode(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                    A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -619,6 +630,44 @@ def fused_recurrent_kda_fwd(
         out.copy_(o.view(out.shape))
         o = out
     return o, initial_state
+
+
+def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
+    """FLA's ``inplace_final_state=False`` with ``ssm_state_indices``: sequence n starts from the
+    slot it would read (``indices[n]``, ``indices[n, 0]`` or ``indices[n, num_accepted_tokens[n] - 1]``;
+    negative: padding, o = 0 and a zero state), the pool is left untouched, and the state after
+    every token is returned, ``[total tokens, HV, K, V]`` (row ``bos + t``), as FLA's kernel writes
+    it. Runs the decode one token at a time on a gathered copy of the read slots."""
+    packed = cu_seqlens is not None
+    if packed:
+        n = cu_seqlens.shape[0] - 1
+        t = q.shape[1] // max(n, 1)
+        q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
+    n, t = q.shape[0], q.shape[1]
+    if indices.dim() == 1:
+        read = indices.to(torch.int64)
+    elif num_accepted_tokens is not None:
+        read = indices.gather(1, (num_accepted_tokens.to(torch.int64) - 1).clamp(min=0)[:, None])[:, 0].to(torch.int64)
+    else:
+        read = indices[:, 0].to(torch.int64)
+    if read.shape[0] != n:
+        raise ValueError(f"fused_recurrent_kda_fwd: ssm_state_indices has {read.shape[0]} rows, expected {n}")
+    if bool(((read >= pool.shape[0])).any()):
+        raise ValueError(f"fused_recurrent_kda_fwd: ssm_state_indices reads slot {int(read.max())}, expected < "
+                         f"{pool.shape[0]} slots")
+    work = torch.zeros((n,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
+    valid = read >= 0
+    work[valid] = pool[read[valid]].to(torch.float32)
+    slots = torch.where(valid, torch.arange(n, dtype=torch.int64), torch.full_like(read, -1))
+    final = torch.empty((n, t) + tuple(pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    outs = []
+    for i in range(t):
+        step = [x[:, i:i + 1] for x in (q, k, v, g, beta)]
+        outs.append(kda_decode(*step, work, slots, **gate))
+        final[:, i] = work.to(pool.dtype)
+    o = torch.cat(outs, dim=1) if outs else torch.empty_like(v, dtype=q.dtype)
+    final = final.flatten(0, 1)
+    return (o.flatten(0, 1).unsqueeze(0) if packed else o), final
 
 
 def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tokens=None, *, A_log=None,

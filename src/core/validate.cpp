@@ -162,7 +162,6 @@ Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Proble
     std::int64_t expected_next = 1;  // the id the next run must have
     std::int64_t run_start = 0;
     std::int64_t current = -1;  // id of the run in progress
-    bool in_padding = false;
     for (std::int64_t t = 0; t <= p->T; ++t) {
       const std::int64_t id = t < p->T ? data[row_off + t * tstride] : -1;
       if (t < p->T && (id < 0 || id > max_segments)) {
@@ -171,27 +170,18 @@ Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Proble
       }
       if (id == current) continue;
       if (current > 0) p->segments.push_back({b, run_start, t - run_start, b * max_segments + current - 1});
+      // Padding (0) may be anywhere (left-padded rows, gaps), as Tokamax's reference allows.
+      if (current == 0) p->padding.push_back({b, run_start, t});
       if (t == p->T) break;
-      if (id == 0) {
-        in_padding = true;
-      } else {
-        if (in_padding) {
-          return fail("argument 'segment_ids': padding (0) must only appear at the tail of a row, got id ",
-                      id, " after padding at row ", b, ", token ", t);
-        }
+      if (id > 0) {
         if (id != expected_next) {
-          return fail("argument 'segment_ids': expected contiguous runs numbered 1, 2, 3, ... in order; at row ",
-                      b, ", token ", t, " expected id ", expected_next, ", got ", id);
+          return fail("argument 'segment_ids': expected contiguous runs numbered 1, 2, 3, ... in order (padding 0 "
+                      "anywhere); at row ", b, ", token ", t, " expected id ", expected_next, ", got ", id);
         }
         ++expected_next;
       }
       current = id;
       run_start = t;
-    }
-    if (in_padding) {
-      std::int64_t pad_start = p->T;
-      while (pad_start > 0 && data[row_off + (pad_start - 1) * tstride] == 0) --pad_start;
-      p->padding.push_back({b, pad_start, p->T});
     }
     // Slots with no tokens: empty segments (final state = initial state or 0).
     for (std::int64_t s = expected_next; s <= max_segments; ++s) {

@@ -94,7 +94,10 @@ TEST(BackwardExact, PaddingTokensGetExactlyZeroGradients) {
   Case c;
   c.T = 90, c.H = 1, c.HV = 2, c.K = 32, c.V = 16;
   c.B = 2;
-  c.segment_ids.assign(60, 1);
+  // Padding leads the row, sits between the segments and ends it.
+  c.segment_ids.assign(6, 0);
+  c.segment_ids.resize(60, 1);
+  c.segment_ids.resize(64, 0);
   c.segment_ids.resize(70, 2);
   c.segment_ids.resize(90, 0);
   c.max_num_segments = 3;
@@ -105,8 +108,9 @@ TEST(BackwardExact, PaddingTokensGetExactlyZeroGradients) {
   for (Residuals r : {Residuals::kSaved, Residuals::kRemat}) {
     const Grads g = run_backward(c, in, ct, false, r);  // outputs start at 12345: zeros were written
     for (std::int64_t b = 0; b < 2; ++b)
-      for (const auto* x : {&g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta})
-        for (double v : token_rows(*x, c.T, b, 70, 90, 2)) ASSERT_EQ(v, 0.0);
+      for (const auto [t0, t1] : {std::pair<std::int64_t, std::int64_t>{0, 6}, {60, 64}, {70, 90}})
+        for (const auto* x : {&g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta})
+          for (double v : token_rows(*x, c.T, b, t0, t1, 2)) ASSERT_EQ(v, 0.0) << "token range " << t0 << ".." << t1;
     // The unused slot 3 is an empty segment: dh0 = dht.
     const auto dht = ct.dht.to_double();
     const std::int64_t n = c.HV * c.K * c.V;

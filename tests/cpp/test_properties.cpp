@@ -87,6 +87,43 @@ TEST(Exact, SegmentIdsEqualCuSeqlensBitwise) {
                    "state");
 }
 
+// Padding (id 0) may lead a row and sit between segments (Tokamax's reference allows both): each
+// segment still equals its own fixed-length run bitwise, padding rows get o = 0 exactly.
+class SegmentIdsPadding : public ::testing::TestWithParam<Path> {};
+
+TEST_P(SegmentIdsPadding, LeadingAndMiddlePaddingEachSegmentEqualsItsOwnRunBitwise) {
+  Case c;
+  c.T = 140, c.H = 1, c.HV = 2, c.K = 32, c.V = 16;
+  c.initial_state = true;
+  c.gate = Gate::kSoftplus;
+  c.path = GetParam();
+  struct Run { std::int32_t id; int len; };
+  const Run layout[] = {{0, 9}, {1, 40}, {0, 5}, {2, 70}, {3, 10}, {0, 6}};
+  for (const Run& r : layout) c.segment_ids.insert(c.segment_ids.end(), static_cast<std::size_t>(r.len), r.id);
+  c.max_num_segments = 4;  // slot 4 stays empty
+  const Inputs in = make_inputs(c);
+  const Outputs all = run_forward(c, in, false);
+  std::int64_t start = 0;
+  for (const Run& r : layout) {
+    if (r.id == 0) {
+      EXPECT_EQ(rows(c, all.o, 0, start, r.len), std::vector<double>(static_cast<std::size_t>(r.len * c.HV * c.V), 0.0))
+          << "padding rows at " << start;
+    } else {
+      Case one = c;
+      one.segment_ids.clear();
+      one.max_num_segments = 0;
+      one.T = r.len;
+      const Outputs alone = run_forward(one, slice_sequence(c, in, 0, start, r.len, r.id - 1), false);
+      expect_bitwise(rows(c, all.o, 0, start, r.len), alone.o, "o of segment " + std::to_string(r.id));
+      expect_bitwise(state_slot(c, all.ht, r.id - 1), alone.ht, "final state of segment " + std::to_string(r.id));
+    }
+    start += r.len;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Exact, SegmentIdsPadding, ::testing::Values(Path::kFused, Path::kStaged),
+                         [](const auto& info) { return std::string(path_name(info.param)); });
+
 class FusedVsStaged : public ::testing::TestWithParam<std::tuple<DType, int>> {};
 
 // The fused scan advances the state every 16 tokens, the staged path once per chunk: the same

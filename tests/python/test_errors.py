@@ -58,8 +58,9 @@ def test_non_monotonic_cu_seqlens(x, fn):
 def test_segment_ids_out_of_order(x, fn):
     ids = np.concatenate([np.full(10, 2), np.full(30, 1)]).astype(np.int32)
     raises(r"'segment_ids'.*order", fn, **x, segment_ids=ids, max_num_segments=2)
-    ids = np.concatenate([np.full(10, 1), np.zeros(10), np.full(20, 2)]).astype(np.int32)
-    raises(r"'segment_ids'.*padding", fn, **x, segment_ids=ids, max_num_segments=2)
+    # padding (0) may sit between segments, but a segment cannot resume after it
+    ids = np.concatenate([np.full(10, 1), np.zeros(10), np.full(20, 1)]).astype(np.int32)
+    raises(r"'segment_ids'.*expected id 2, got 1", fn, **x, segment_ids=ids, max_num_segments=2)
     raises(r"'max_num_segments'", fn, **x, segment_ids=np.ones(40, np.int32))
 
 

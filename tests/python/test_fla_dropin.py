@@ -254,3 +254,46 @@ def test_fla_test_kda_gate_and_naive_patterns():
     assert_close(ht.numpy(), rht.numpy(), 1e-5, "ht")
     check(o, ht, qn, kn, v, gr, beta, h0, 1e-5, scale=0.1, use_gate_in_kernel=True, A_log=A_log.detach().reshape(H),
           dt_bias=dt_bias.detach())
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(two_d):
+    """FLA/vLLM's ``inplace_final_state=False`` with ``ssm_state_indices``: each sequence starts from
+    the slot it reads, the pool is untouched, and the state after every token comes back as
+    ``[N * T, HV, K, V]`` (row ``n * T + t``); equal to running the same tokens in place."""
+    torch.manual_seed(4)
+    N, T, H, K, V, slots = 3, 2 if two_d else 1, 2, 16, 8, 9
+    x = dict(q=torch.randn(N, T, H, K), k=F.normalize(torch.randn(N, T, H, K), dim=-1), v=torch.randn(N, T, H, V),
+             g=F.logsigmoid(torch.randn(N, T, H, K)), beta=torch.rand(N, T, H))
+    pool = torch.randn(slots, H, K, V)
+    if two_d:
+        idx = torch.tensor([[4, 5], [1, 2], [7, 8]], dtype=torch.int32)
+        nat = torch.tensor([2, 1, 1], dtype=torch.int32)  # row 0 reads slot 5, rows 1, 2 slots 1, 7
+    else:
+        idx, nat = torch.tensor([4, -1, 7], dtype=torch.int32), None  # row 1: padding
+    before = pool.clone()
+    o, states = fused_recurrent_kda_fwd(**x, initial_state=pool, inplace_final_state=False,
+                                        ssm_state_indices=idx, num_accepted_tokens=nat)
+    assert torch.equal(pool, before), "the pool was written"
+    assert states.shape == (N * T, H, K, V) and states.dtype == torch.float32
+    # The same tokens in place, one token at a time, on a pool whose read slots hold the start states.
+    read = [5, 1, 7] if two_d else [4, -1, 7]
+    for n in range(N):
+        ref_pool = before.clone()
+        for t in range(T):
+            step = {name: val[n:n + 1, t:t + 1] for name, val in x.items()}
+            slot = read[n] if read[n] >= 0 else -1
+            o_ref, _ = fused_recurrent_kda_fwd(**step, initial_state=ref_pool, inplace_final_state=True,
+                                               ssm_state_indices=torch.tensor([slot], dtype=torch.int32))
+            assert torch.equal(o[n, t], o_ref[0, 0]), f"o of row {n} token {t}"
+            want = ref_pool[slot] if slot >= 0 else torch.zeros(H, K, V)
+            assert torch.equal(states[n * T + t], want), f"state after row {n} token {t}"
+
+
+def test_chunk_kda_initial_state_count_must_match_cu_seqlens():
+    """FLA's message, which its tests match."""
+    x = dict(q=torch.randn(1, 12, 2, 16), k=torch.randn(1, 12, 2, 16), v=torch.randn(1, 12, 2, 8),
+             g=F.logsigmoid(torch.randn(1, 12, 2, 16)), beta=torch.rand(1, 12, 2))
+    with pytest.raises(ValueError, match="The number of initial states is expected to be equal to the number of "
+                                         "input sequences, i.e., 3 rather than 2"):
+        chunk_kda(**x, initial_state=torch.zeros(2, 2, 16, 8), cu_seqlens=torch.tensor([0, 4, 9, 12]))

@@ -196,6 +196,71 @@ def test_matches_pure_jax_reference_forward_and_grad():
         assert_close(np.asarray(a), np.asarray(b_), 1e-4, name)
 
 
+def test_segment_ids_padding_anywhere_matches_the_pure_jax_reference():
+    """Tokamax's reference skips id 0 anywhere in a row: leading and middle padding, not only
+    trailing; forward and gradients agree, and padding outputs are exactly 0."""
+    x, _, h0 = make(6, H=2, B=2, T=50, N=2)
+    ids = np.zeros((2, 50), np.int32)
+    ids[0, 5:20], ids[0, 24:44] = 1, 2  # leading, middle and trailing padding
+    ids[1, 0:30], ids[1, 33:50] = 1, 2  # middle padding
+    segment_ids = jnp.asarray(ids)
+
+    def ours(q, k, v, g, b, s):
+        return kj.kimi_delta_attention(q, k, v, g, b, initial_state=s, output_final_state=True, segment_ids=segment_ids)
+
+    def ref(q, k, v, g, b, s):
+        return jax_reference(q, k, v, g, b, s, segment_ids=segment_ids)
+
+    args = (x["query"], x["key"], x["value"], x["gate"], x["beta"], h0)
+    o, fs = ours(*args)
+    ro, rfs = ref(*args)
+    assert_close(np.asarray(o), np.asarray(ro), 1e-5, "o")
+    assert_close(np.asarray(fs), np.asarray(rfs), 1e-5, "final_state")
+    pad = np.broadcast_to((ids == 0)[None, :, :, None], o.shape)
+    assert np.all(np.asarray(o)[pad] == 0.0)
+
+    def loss(f):
+        return lambda *a: sum(jnp.sum(jnp.sin(t)) for t in f(*a))
+
+    g_ours = jax.grad(loss(ours), argnums=tuple(range(6)))(*args)
+    g_ref = jax.grad(loss(ref), argnums=tuple(range(6)))(*args)
+    for a, b_, name in zip(g_ours, g_ref, ["dq", "dk", "dv", "dg", "dbeta", "dh0"]):
+        assert_close(np.asarray(a), np.asarray(b_), 1e-4, name)
+
+
+def test_head_first_shape_errors_use_tokamax_wording():
+    x, _, _ = _small()
+    bad = dict(x, key=x["key"][:, :, :-1])
+    with pytest.raises(ValueError, match="`k` shape .* must match `q` shape"):
+        kj.kimi_delta_attention(**bad)
+    with pytest.raises(ValueError, match="`g` shape"):
+        kj.kimi_delta_attention(**dict(x, gate=x["gate"][..., :-1]))
+    with pytest.raises(ValueError, match="`v` shape"):
+        kj.kimi_delta_attention(**dict(x, value=x["value"][:, :, :-1]))
+    with pytest.raises(ValueError, match="`beta` shape"):
+        kj.kimi_delta_attention(**dict(x, beta=x["beta"][..., :-1]))
+    with pytest.raises(ValueError, match="`q` must be rank 4"):
+        kj.kimi_delta_attention(**dict(x, query=x["query"][0]))
+
+
+def test_implementation_registries_and_unknown_names():
+    """Tokamax's tests skip the TPU kernels when "mosaic_tpu" is not registered; newer batch-first
+    tests run "xla_chunked" and expect ValueError("Unknown implementation"), older ones
+    NotImplementedError("Only XLA"): one exception satisfies both."""
+    assert "mosaic_tpu" not in kj.IMPLEMENTATIONS and kj.IMPLEMENTATIONS["xla"] is kj.kimi_delta_attention
+    assert kj._DEFAULT_IMPLEMENTATIONS == ("xla",) and kj.kda._DEFAULT_IMPLEMENTATIONS == ("xla",)
+    assert set(kj.kda.IMPLEMENTATIONS) == {"xla", "xla_chunked"} and "mosaic_tpu" not in kj.kda.IMPLEMENTATIONS
+    x, _, _ = _small(21, B=1, T=9)
+    q, k, v, g = (np.moveaxis(np.asarray(x[n], np.float32), 0, 2) for n in ("query", "key", "value", "gate"))
+    beta = np.moveaxis(np.asarray(x["beta"], np.float32), 0, 2)  # [HV, B, T] -> [B, T, HV]
+    ref = kj.kda.kimi_delta_attention(q, k, v, g, beta)
+    _same(kj.kda.kimi_delta_attention(q, k, v, g, beta, implementation="xla_chunked"), ref)
+    _same(kj.kda.kimi_delta_attention(q, k, v, g, beta, implementation=("xla_chunked", "xla")), ref)
+    for exc, pattern in ((ValueError, "Unknown implementation: mosaic_tpu"), (NotImplementedError, "Only XLA")):
+        with pytest.raises(exc, match=pattern):
+            kj.kda.kimi_delta_attention(q, k, v, g, beta, implementation="mosaic_tpu")
+
+
 def test_jit_matches_eager():
     x, extra, h0 = make(5, gate="softplus")
     f = lambda **kw: kj.kimi_delta_attention(**kw, **extra, initial_state=h0, output_final_state=True,
