@@ -473,6 +473,11 @@ def chunk_kda(
     scale = None if scale is None else float(scale)
 
     if return_intermediate_states:
+        # FLA's contract (its asserts, as AssertionError also under python -O).
+        if not torch.is_inference_mode_enabled():
+            raise AssertionError("return_intermediate_states is only allowed in inference mode")
+        if disable_recompute:
+            raise AssertionError("return_intermediate_states must be used with disable_recompute=False")
         o, fs, cs = _fwd_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
                             chunk_size, output_final_state, True)
         B, T = q.shape[0], q.shape[1]

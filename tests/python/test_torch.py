@@ -172,8 +172,14 @@ def test_return_intermediate_states():
     assert torch.equal(h[:, 0], h0)  # the first chunk's entry is the initial state
     cu = torch.tensor([0, 30, 100])
     xv = {n: t[:1] for n, t in x.items()}
-    _, _, hv = kt.chunk_kda(**xv, cu_seqlens=cu, return_intermediate_states=True)
+    with torch.inference_mode():
+        _, _, hv = kt.chunk_kda(**xv, cu_seqlens=cu, return_intermediate_states=True)
     assert hv.shape == (1, 1 + 2, 2, 16, 8)  # ceil(30/64) + ceil(70/64) chunks
+    # FLA asserts both: intermediate states are an inference-mode output, not a training residual.
+    with pytest.raises(AssertionError, match="only allowed in inference mode"):
+        kt.chunk_kda(**x, return_intermediate_states=True)
+    with torch.inference_mode(), pytest.raises(AssertionError, match="disable_recompute=False"):
+        kt.chunk_kda(**x, return_intermediate_states=True, disable_recompute=True)
 
 
 def test_return_intermediate_states_in_input_dtype():
