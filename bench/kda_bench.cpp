@@ -468,15 +468,20 @@ std::vector<Record> inference_suite(const Config& cfg) {
       return std::int64_t{0};
     });
     progress("inference", "training-forward", w);
-    Record train = measure(cfg, w, "inference", "training-forward", [&] {
-      kda::ForwardParams fwd = pb.fwd;
-      std::int64_t nc = 0;
-      check(kda::forward_chunk_count(fwd, &nc));
-      Tensor states(kda::DType::kF32, {nc, w.HV, w.K, w.V});
-      fwd.chunk_states = states.view;
-      check(kda::chunk_forward(fwd));
-      return static_cast<std::int64_t>(states.view.numel() * 4);
-    });
+    // The residual is allocated once and reused, as in the training suites (run_training_step).
+    kda::ForwardParams fwd = pb.fwd;
+    std::int64_t nc = 0;
+    check(kda::forward_chunk_count(fwd, &nc));
+    Tensor states(kda::DType::kF32, {nc, w.HV, w.K, w.V});
+    fwd.chunk_states = states.view;
+    const std::int64_t residual = static_cast<std::int64_t>(states.view.numel() * 4);
+    Record train = measure(
+        cfg, w, "inference", "training-forward",
+        [&] {
+          check(kda::chunk_forward(fwd));
+          return residual;
+        },
+        residual);
     for (Record* r : {&inf, &train}) {
       r->gflops = forward_flops(cfg, w) / (r->median_ms * 1e-3) / 1e9;
       r->extra_bytes = r->peak_bytes - io_bytes;
