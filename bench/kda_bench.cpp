@@ -570,13 +570,15 @@ std::vector<Record> scaling_suite(const Config& cfg) {
   std::vector<Record> recs;
   const std::vector<std::int64_t> Ts = cfg.tokens_set ? std::vector<std::int64_t>{cfg.tokens}
                                                       : std::vector<std::int64_t>{1024, 2048, 4096, 8192, 16384, 32768};
-  for (std::int64_t T : Ts) {
-    Config c = cfg;
-    c.tokens = T;
-    const Workload w = make_workload(c, "forward");
-    std::vector<kda::Path> paths{kda::Path::kFused};
-    if (cfg.baseline) paths.push_back(kda::Path::kStaged);
-    for (kda::Path path : paths) {
+  // Every fused T first, then the staged baseline: the staged path's multi-GB intermediates at
+  // 16K and 32K, allocated and freed between fused runs, slowed the fused runs after them.
+  std::vector<kda::Path> paths{kda::Path::kFused};
+  if (cfg.baseline) paths.push_back(kda::Path::kStaged);
+  for (kda::Path path : paths) {
+    for (std::int64_t T : Ts) {
+      Config c = cfg;
+      c.tokens = T;
+      const Workload w = make_workload(c, "forward");
       progress("scaling", kda::path_name(path), w);
       Record r = run_forward(c, w, path, "scaling");
       r.tokens = T;
