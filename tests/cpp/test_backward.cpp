@@ -27,6 +27,8 @@ const BwdCase kBwdCases[] = {
     // Odd K and V: partial vectors everywhere and odd bf16 pairs in the state products.
     {"T77_K33_V17", 77, 33, 17, 1, 2, Gate::kSoftplus, true, true, false, true, true, StateLayout::kKFirst, 32},
     {"T90_K64_V256", 90, 64, 256, 1, 2, Gate::kLowerBound, true, false, false, true, true, StateLayout::kVFirst, 32},
+    // Small K and V: the block's token operands outgrow the state-sized scratch.
+    {"T70_K16_V8", 70, 16, 8, 1, 2, Gate::kSoftplus, true, false, false, true, true, StateLayout::kKFirst, 64},
 };
 
 class BackwardMatrix : public ::testing::TestWithParam<std::tuple<BwdCase, DType, Residuals>> {};
