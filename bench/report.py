@@ -28,7 +28,9 @@ def load(paths: list[str]) -> list[dict]:
 
 def fmt_rate(r: dict) -> str:
     if r.get("gbps"):
-        return f"{r['gbps']:.1f} GB/s ({r.get('pct_of_limit', 0):.0f}%)"
+        side = r.get("side_by_side_stream_gbps", 0)
+        side_pct = f"; {100 * r['gbps'] / side:.0f}% of the stream beside it" if side else ""
+        return f"{r['gbps']:.1f} GB/s ({r.get('pct_of_limit', 0):.0f}%{side_pct})"
     return f"{r.get('gflops', 0):.1f} GFLOP/s ({r.get('pct_of_limit', 0):.0f}%)"
 
 
