@@ -1,0 +1,123 @@
+// kda-backward-alone: times kda::chunk_backward (saved-state policy) or kda::chunk_forward alone
+// on the representative shape (SPEC.md section 5: B=1, T=8192, H=32, K=V=128, bf16, gate in kernel
+// with lower_bound = -5, qk l2norm), for side-by-side A/B runs of one kernel: kda-bench times the
+// training step as a whole. The forward runs once first to fill the residual.
+//
+//   kda-backward-alone [backward|forward] [--head-first] [--iters N] [--tokens T] [--heads H]
+//
+// --head-first lays q, k, v, g, d_o and the gradients out as [B, H, T, D] (rows of one head
+// contiguous, which the hardware prefetcher streams): the bound for token-row prefetching.
+// Prints the min and median milliseconds.
+#include <kda/kda.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Tensor {
+  kda::Buffer buf;
+  kda::TensorView view;
+  Tensor(kda::DType dtype, std::initializer_list<std::int64_t> shape, bool head_first = false) {
+    std::int64_t n = 1;
+    for (auto s : shape) n *= s;
+    buf.reset(kda::allocate(static_cast<std::size_t>(n) * kda::dtype_size(dtype)));
+    if (!buf) {
+      std::fprintf(stderr, "kda-backward-alone: out of memory\n");
+      std::exit(1);
+    }
+    view = kda::TensorView::contiguous(buf.get(), dtype, shape);
+    if (head_first && view.ndim == 4) {  // [B, T, H, D] indexed, [B, H, T, D] in memory
+      const std::int64_t T = view.shape[1], D = view.shape[3];
+      view.strides[2] = T * D;
+      view.strides[1] = D;
+    }
+  }
+};
+
+// Deterministic fill, uniform in [lo, hi), rounded to the tensor's dtype.
+void fill(Tensor& t, float lo, float hi, std::uint32_t seed) {
+  std::uint32_t x = seed * 2654435761u + 1;
+  const std::int64_t n = t.view.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    const float f = lo + (hi - lo) * static_cast<float>(x / 4294967296.0);
+    if (t.view.dtype == kda::DType::kF32) {
+      static_cast<float*>(t.buf.get())[i] = f;
+    } else {
+      std::uint32_t u;
+      std::memcpy(&u, &f, 4);
+      static_cast<std::uint16_t*>(t.buf.get())[i] = static_cast<std::uint16_t>(u >> 16);
+    }
+  }
+}
+
+void check(const kda::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "kda-backward-alone: %s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool backward = true, head_first = false;
+  int iters = 5;
+  std::int64_t T = 8192, H = 32;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "backward") backward = true;
+    else if (a == "forward") backward = false;
+    else if (a == "--head-first") head_first = true;
+    else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--tokens" && i + 1 < argc) T = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--heads" && i + 1 < argc) H = std::max(1, std::atoi(argv[++i]));
+    else {
+      std::fprintf(stderr,
+                   "usage: kda-backward-alone [backward|forward] [--head-first] [--iters N] [--tokens T] [--heads H]\n");
+      return 2;
+    }
+  }
+  const std::int64_t B = 1, K = 128, V = 128;
+  const kda::DType bf16 = kda::DType::kBF16, f32 = kda::DType::kF32;
+  Tensor q(bf16, {B, T, H, K}, head_first), k(bf16, {B, T, H, K}, head_first), v(bf16, {B, T, H, V}, head_first),
+      g(bf16, {B, T, H, K}, head_first), beta(bf16, {B, T, H}), A_log(f32, {H}), dt_bias(f32, {H * K}),
+      o(bf16, {B, T, H, V}, head_first), h0(f32, {B, H, K, V}), ht(f32, {B, H, K, V});
+  fill(q, -1, 1, 1), fill(k, -1, 1, 2), fill(v, -1, 1, 3), fill(g, -2, 2, 4), fill(beta, 0.05f, 0.95f, 5);
+  fill(A_log, 0, 2.7f, 6), fill(dt_bias, -0.5f, 0.5f, 7), fill(h0, -0.1f, 0.1f, 8);
+  kda::ForwardParams f;
+  f.q = q.view, f.k = k.view, f.v = v.view, f.g = g.view, f.beta = beta.view, f.A_log = A_log.view;
+  f.dt_bias = dt_bias.view, f.initial_state = h0.view, f.o = o.view, f.final_state = ht.view;
+  f.options.use_qk_l2norm_in_kernel = true, f.options.use_gate_in_kernel = true;
+  f.options.has_lower_bound = true, f.options.lower_bound = -5.0f;
+  std::int64_t nc = 0;
+  check(kda::forward_chunk_count(f, &nc));
+  Tensor states(f32, {nc, H, K, V});
+  if (backward) f.chunk_states = states.view;  // the forward alone is timed without a residual
+  Tensor d_o(bf16, {B, T, H, V}, head_first), dht(f32, {B, H, K, V}), dq(bf16, {B, T, H, K}, head_first),
+      dk(bf16, {B, T, H, K}, head_first), dv(bf16, {B, T, H, V}, head_first), dg(bf16, {B, T, H, K}, head_first),
+      dbeta(bf16, {B, T, H}), dh0(f32, {B, H, K, V}), dA_log(f32, {H}), ddt_bias(f32, {H * K});
+  fill(d_o, -1, 1, 9), fill(dht, -0.1f, 0.1f, 10);
+  kda::BackwardParams bp;
+  bp.d_o = d_o.view, bp.d_final_state = dht.view, bp.dq = dq.view, bp.dk = dk.view, bp.dv = dv.view;
+  bp.dg = dg.view, bp.dbeta = dbeta.view, bp.dh0 = dh0.view, bp.dA_log = dA_log.view, bp.ddt_bias = ddt_bias.view;
+  check(kda::chunk_forward(f));  // fills the residual, touches every output
+  bp.forward = f;
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {  // no separate warm-up: the forward above touched everything
+    const auto t0 = std::chrono::steady_clock::now();
+    check(backward ? kda::chunk_backward(bp) : kda::chunk_forward(f));
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  std::printf("%s%s: min %.1f ms, median %.1f ms (%d runs)\n", backward ? "backward" : "forward",
+              head_first ? " (head-first)" : "", ms.front(), ms[ms.size() / 2], iters);
+  return 0;
+}
