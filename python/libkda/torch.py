@@ -728,11 +728,28 @@ def _gate_input(g, A_log, dt_bias):
     return x, a
 
 
-def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32):
+def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32, *, g_bias=None,
+                   beta=1.0, threshold=20.0, head_k_dim=None):
     """``fla.ops.kda.gate.fused_kda_gate``: the in-kernel gate of SPEC.md 1.3 on g ``[..., H, K]``:
     ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
     ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``; ``A_log=None`` means a unit scale
-    (A_log = 0). Returns ``[..., H, K]`` in ``output_dtype`` (float32)."""
+    (A_log = 0). Returns ``[..., H, K]`` in ``output_dtype`` (float32).
+
+    Also the older form that Kimi Linear's Hugging Face modeling code and vLLM call,
+    ``fused_kda_gate(g [..., H * K], A_log, head_k_dim, g_bias=None, beta=1.0, threshold=20.0)``
+    (an int third argument): ``-exp(A_log) * softplus(g + g_bias)`` with torch's softplus
+    ``beta`` / ``threshold``, returned as float32 ``[..., H, K]``."""
+    if isinstance(dt_bias, int) or head_k_dim is not None:
+        K = dt_bias if isinstance(dt_bias, int) else int(head_k_dim)
+        if isinstance(lower_bound, torch.Tensor):  # the older form's 4th positional: g_bias
+            g_bias = lower_bound
+        if not isinstance(output_dtype, torch.dtype):  # and its 5th: beta
+            beta = output_dtype
+        if g.shape[-1] % K:
+            raise ValueError(f"fused_kda_gate: g's last dimension {g.shape[-1]} is not a multiple of head_k_dim {K}")
+        x, a = _gate_input(g.unflatten(-1, (g.shape[-1] // K, K)), A_log, g_bias)
+        y = torch.nn.functional.softplus(x, beta=float(beta), threshold=float(threshold))
+        return -(y if a is None else a * y).to(torch.float32)
     x, a = _gate_input(g, A_log, dt_bias)
     if lower_bound is None:
         y = torch.nn.functional.softplus(x)

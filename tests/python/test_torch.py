@@ -507,3 +507,22 @@ def test_eager_fast_path_matches_dispatcher():
     o2, fs2 = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, use_gate_in_kernel=True, **extra)
     assert torch.equal(o1, o2) and torch.equal(fs1, fs2)
     assert kt._eager_ok(x["q"]) and not kt._eager_ok(x["q"].to("meta"))
+
+
+def test_fused_kda_gate_older_signature():
+    """Kimi Linear's Hugging Face modeling code and vLLM call fused_kda_gate(g [..., H * K], A_log,
+    head_k_dim, g_bias=...): the same gate on the unflattened g; beta / threshold are torch's
+    softplus parameters."""
+    torch.manual_seed(5)
+    H, K = 3, 8
+    g = torch.randn(2, 7, H * K)
+    A_log, dt_bias = torch.rand(H), torch.randn(H * K)
+    want = kt.fused_kda_gate(g.unflatten(-1, (H, K)), A_log, dt_bias)
+    assert torch.equal(kt.fused_kda_gate(g, A_log, K, g_bias=dt_bias), want)
+    assert torch.equal(kt.fused_kda_gate(g, A_log, K, dt_bias), want)  # g_bias positional
+    assert torch.equal(kt.fused_kda_gate(g, A_log, head_k_dim=K, g_bias=dt_bias), want)
+    ref = -A_log.exp()[:, None] * torch.nn.functional.softplus(g.unflatten(-1, (H, K)) + dt_bias.view(H, K), beta=2.0,
+                                                                 threshold=5.0)
+    assert torch.allclose(kt.fused_kda_gate(g, A_log, K, g_bias=dt_bias, beta=2.0, threshold=5.0), ref)
+    with pytest.raises(ValueError, match="not a multiple of head_k_dim 5"):
+        kt.fused_kda_gate(g, A_log, 5)
