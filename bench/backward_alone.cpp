@@ -10,52 +10,28 @@
 // Prints the min and median milliseconds.
 #include <kda/kda.hpp>
 
+#include "bench_tensor.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
-struct Tensor {
-  kda::Buffer buf;
-  kda::TensorView view;
-  Tensor(kda::DType dtype, std::initializer_list<std::int64_t> shape, bool head_first = false) {
-    std::int64_t n = 1;
-    for (auto s : shape) n *= s;
-    buf.reset(kda::allocate(static_cast<std::size_t>(n) * kda::dtype_size(dtype)));
-    if (!buf) {
-      std::fprintf(stderr, "kda-backward-alone: out of memory\n");
-      std::exit(1);
-    }
-    view = kda::TensorView::contiguous(buf.get(), dtype, shape);
-    if (head_first && view.ndim == 4) {  // [B, T, H, D] indexed, [B, H, T, D] in memory
-      const std::int64_t T = view.shape[1], D = view.shape[3];
-      view.strides[2] = T * D;
-      view.strides[1] = D;
-    }
-  }
-};
+using kda_bench::fill;
+using kda_bench::Tensor;
 
-// Deterministic fill, uniform in [lo, hi), rounded to the tensor's dtype.
-void fill(Tensor& t, float lo, float hi, std::uint32_t seed) {
-  std::uint32_t x = seed * 2654435761u + 1;
-  const std::int64_t n = t.view.numel();
-  for (std::int64_t i = 0; i < n; ++i) {
-    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-    const float f = lo + (hi - lo) * static_cast<float>(x / 4294967296.0);
-    if (t.view.dtype == kda::DType::kF32) {
-      static_cast<float*>(t.buf.get())[i] = f;
-    } else {
-      std::uint32_t u;
-      std::memcpy(&u, &f, 4);
-      static_cast<std::uint16_t*>(t.buf.get())[i] = static_cast<std::uint16_t>(u >> 16);
-    }
-  }
+// A [B, T, H, D] tensor laid out as [B, H, T, D] in memory (rows of one head contiguous).
+Tensor head_first(Tensor t) {
+  const std::int64_t T = t.view.shape[1], D = t.view.shape[3];
+  t.view.strides[2] = T * D;
+  t.view.strides[1] = D;
+  return t;
 }
 
 void check(const kda::Status& s) {
@@ -68,14 +44,14 @@ void check(const kda::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool backward = true, head_first = false;
+  bool backward = true, head_first_layout = false;
   int iters = 5;
   std::int64_t T = 8192, H = 32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "backward") backward = true;
     else if (a == "forward") backward = false;
-    else if (a == "--head-first") head_first = true;
+    else if (a == "--head-first") head_first_layout = true;
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else if (a == "--tokens" && i + 1 < argc) T = std::max(1, std::atoi(argv[++i]));
     else if (a == "--heads" && i + 1 < argc) H = std::max(1, std::atoi(argv[++i]));
@@ -87,9 +63,14 @@ int main(int argc, char** argv) {
   }
   const std::int64_t B = 1, K = 128, V = 128;
   const kda::DType bf16 = kda::DType::kBF16, f32 = kda::DType::kF32;
-  Tensor q(bf16, {B, T, H, K}, head_first), k(bf16, {B, T, H, K}, head_first), v(bf16, {B, T, H, V}, head_first),
-      g(bf16, {B, T, H, K}, head_first), beta(bf16, {B, T, H}), A_log(f32, {H}), dt_bias(f32, {H * K}),
-      o(bf16, {B, T, H, V}, head_first), h0(f32, {B, H, K, V}), ht(f32, {B, H, K, V});
+  // [B, T, H, D] as given, or head-first in memory
+  auto token_rows = [&](std::initializer_list<std::int64_t> shape) {
+    Tensor t(bf16, shape);
+    return head_first_layout ? head_first(std::move(t)) : std::move(t);
+  };
+  Tensor q = token_rows({B, T, H, K}), k = token_rows({B, T, H, K}), v = token_rows({B, T, H, V}),
+         g = token_rows({B, T, H, K}), o = token_rows({B, T, H, V});
+  Tensor beta(bf16, {B, T, H}), A_log(f32, {H}), dt_bias(f32, {H * K}), h0(f32, {B, H, K, V}), ht(f32, {B, H, K, V});
   fill(q, -1, 1, 1), fill(k, -1, 1, 2), fill(v, -1, 1, 3), fill(g, -2, 2, 4), fill(beta, 0.05f, 0.95f, 5);
   fill(A_log, 0, 2.7f, 6), fill(dt_bias, -0.5f, 0.5f, 7), fill(h0, -0.1f, 0.1f, 8);
   kda::ForwardParams f;
@@ -101,9 +82,10 @@ int main(int argc, char** argv) {
   check(kda::forward_chunk_count(f, &nc));
   Tensor states(f32, {nc, H, K, V});
   if (backward) f.chunk_states = states.view;  // the forward alone is timed without a residual
-  Tensor d_o(bf16, {B, T, H, V}, head_first), dht(f32, {B, H, K, V}), dq(bf16, {B, T, H, K}, head_first),
-      dk(bf16, {B, T, H, K}, head_first), dv(bf16, {B, T, H, V}, head_first), dg(bf16, {B, T, H, K}, head_first),
-      dbeta(bf16, {B, T, H}), dh0(f32, {B, H, K, V}), dA_log(f32, {H}), ddt_bias(f32, {H * K});
+  Tensor d_o = token_rows({B, T, H, V}), dq = token_rows({B, T, H, K}), dk = token_rows({B, T, H, K}),
+         dv = token_rows({B, T, H, V}), dg = token_rows({B, T, H, K});
+  Tensor dht(f32, {B, H, K, V}), dbeta(bf16, {B, T, H}), dh0(f32, {B, H, K, V}), dA_log(f32, {H}),
+      ddt_bias(f32, {H * K});
   fill(d_o, -1, 1, 9), fill(dht, -0.1f, 0.1f, 10);
   kda::BackwardParams bp;
   bp.d_o = d_o.view, bp.d_final_state = dht.view, bp.dq = dq.view, bp.dk = dk.view, bp.dv = dv.view;
@@ -118,6 +100,6 @@ int main(int argc, char** argv) {
   }
   std::sort(ms.begin(), ms.end());
   std::printf("%s%s: min %.1f ms, median %.1f ms (%d runs)\n", backward ? "backward" : "forward",
-              head_first ? " (head-first)" : "", ms.front(), ms[ms.size() / 2], iters);
+              head_first_layout ? " (head-first)" : "", ms.front(), ms[ms.size() / 2], iters);
   return 0;
 }

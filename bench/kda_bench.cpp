@@ -26,9 +26,13 @@
 #include <omp.h>
 
 #include "kda/kda.hpp"
+#include "bench_tensor.hpp"
 #include "machine_limits.hpp"
 
 namespace {
+
+using kda_bench::Tensor;
+using kda_bench::fill;
 
 struct Config {
   std::string suite = "all";
@@ -104,50 +108,6 @@ kda::DType dtype_of(const std::string& s) {
   if (s == "fp32") return kda::DType::kF32;
   if (s == "fp16") return kda::DType::kF16;
   return kda::DType::kBF16;
-}
-
-// A tensor owned through the accounting allocator.
-struct Tensor {
-  kda::Buffer buf;
-  kda::TensorView view;
-  Tensor(kda::DType dtype, std::initializer_list<std::int64_t> shape) {
-    std::int64_t n = 1;
-    for (auto s : shape) n *= s;
-    buf.reset(kda::allocate(static_cast<std::size_t>(n) * kda::dtype_size(dtype)));
-    if (!buf) {
-      std::fprintf(stderr, "kda-bench: out of memory\n");
-      std::exit(1);
-    }
-    view = kda::TensorView::contiguous(buf.get(), dtype, shape);
-  }
-};
-
-// Fast deterministic fill: xorshift, uniform in [lo, hi), rounded to the tensor dtype.
-void fill(Tensor& t, float lo, float hi, std::uint64_t seed) {
-  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  const std::int64_t n = t.view.numel();
-  for (std::int64_t i = 0; i < n; ++i) {
-    s ^= s << 13;
-    s ^= s >> 7;
-    s ^= s << 17;
-    const float u = static_cast<float>((s >> 40) & 0xFFFFFF) / 16777216.0f;
-    const float x = lo + (hi - lo) * u;
-    switch (t.view.dtype) {
-      case kda::DType::kF32: static_cast<float*>(t.buf.get())[i] = x; break;
-      case kda::DType::kBF16: {
-        std::uint32_t bits;
-        std::memcpy(&bits, &x, 4);
-        static_cast<std::uint16_t*>(t.buf.get())[i] = static_cast<std::uint16_t>(bits >> 16);
-        break;
-      }
-      case kda::DType::kF16: {
-        _Float16 h = static_cast<_Float16>(x);
-        std::memcpy(static_cast<std::uint16_t*>(t.buf.get()) + i, &h, 2);
-        break;
-      }
-      default: break;
-    }
-  }
 }
 
 struct Record {
