@@ -252,23 +252,26 @@ Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const s
 
 // Forward + backward as a training step runs them. Saved-state: the forward writes every chunk's
 // entering state (the residual) and the backward reads it; remat: no residual.
+// The saved-state residual of a forward (every chunk's entering state, [NC, HV, K, V] fp32),
+// allocated once per measured path and attached to `fwd`. The residual is reused by every step,
+// as a framework's caching allocator (PyTorch) or buffer assignment (XLA) does: fresh pages each
+// step would time the kernel zeroing them (page faults), not the library. Its bytes still count
+// in the measured peak and extra memory.
+std::unique_ptr<Tensor> attach_residual(const Workload& w, kda::ForwardParams& fwd) {
+  std::int64_t nc = 0;
+  check(kda::forward_chunk_count(fwd, &nc));
+  auto states = std::make_unique<Tensor>(kda::DType::kF32, std::initializer_list<std::int64_t>{nc, w.HV, w.K, w.V});
+  fwd.chunk_states = states->view;
+  return states;
+}
+
 Record run_training_step(const Config& cfg, const Workload& w, Problem& pb, kda::Path path, bool saved,
                          const std::string& suite) {
   pb.fwd.options.path = path;
   const std::string label = std::string(kda::path_name(path)) + (saved ? "-saved" : "-remat");
-  // The residual is allocated once and reused by every step, as a framework's caching allocator
-  // (PyTorch) or buffer assignment (XLA) does: fresh pages each step would time the kernel
-  // zeroing 256 MB (page faults), not the library. Its bytes still count in peak and extra memory.
   kda::ForwardParams fwd = pb.fwd;
-  std::unique_ptr<Tensor> states;
-  std::int64_t residual = 0;
-  if (saved) {
-    std::int64_t nc = 0;
-    check(kda::forward_chunk_count(fwd, &nc));
-    states = std::make_unique<Tensor>(kda::DType::kF32, std::initializer_list<std::int64_t>{nc, w.HV, w.K, w.V});
-    fwd.chunk_states = states->view;
-    residual = static_cast<std::int64_t>(states->view.numel() * 4);
-  }
+  const std::unique_ptr<Tensor> states = saved ? attach_residual(w, fwd) : nullptr;
+  const std::int64_t residual = states ? static_cast<std::int64_t>(states->view.numel() * 4) : 0;
   Record r = measure(
       cfg, w, suite, label,
       [&] {
@@ -428,13 +431,9 @@ std::vector<Record> inference_suite(const Config& cfg) {
       return std::int64_t{0};
     });
     progress("inference", "training-forward", w);
-    // The residual is allocated once and reused, as in the training suites (run_training_step).
     kda::ForwardParams fwd = pb.fwd;
-    std::int64_t nc = 0;
-    check(kda::forward_chunk_count(fwd, &nc));
-    Tensor states(kda::DType::kF32, {nc, w.HV, w.K, w.V});
-    fwd.chunk_states = states.view;
-    const std::int64_t residual = static_cast<std::int64_t>(states.view.numel() * 4);
+    const std::unique_ptr<Tensor> states = attach_residual(w, fwd);
+    const std::int64_t residual = static_cast<std::int64_t>(states->view.numel() * 4);
     Record train = measure(
         cfg, w, "inference", "training-forward",
         [&] {
