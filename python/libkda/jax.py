@@ -28,7 +28,8 @@ import numpy as np
 
 from . import _libkda
 
-__all__ = ["kimi_delta_attention", "kimi_delta_attention_batch_first", "kda"]
+__all__ = ["kimi_delta_attention", "kimi_delta_attention_batch_first", "kda", "ShapeError",
+           "UnknownImplementationError", "IMPLEMENTATIONS"]
 
 if not hasattr(_libkda, "jax_ffi_targets"):
     raise ImportError(
@@ -190,9 +191,9 @@ def _kda_bwd(cfg, residuals, cotangents):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-# Tokamax's implementation names (tokamax/_src/ops/experimental/kda/api.py: "xla", "mosaic",
-# registered as "mosaic_tpu"; older versions "pallas_tpu"). Every one runs libkda's kernels here.
-_IMPLEMENTATIONS = ("xla", "mosaic", "mosaic_tpu", "pallas_tpu")
+# Tokamax's implementation names (tokamax/_src/ops/experimental/kda/api.py: "xla", "xla_chunked",
+# "mosaic", registered as "mosaic_tpu"; older versions "pallas_tpu"). Every one runs libkda's kernels.
+_IMPLEMENTATIONS = ("xla", "xla_chunked", "mosaic", "mosaic_tpu", "pallas_tpu")
 # The batch-first API's (tokamax/_src/ops/kda/api.py: Literal["xla", "xla_chunked"]).
 _BATCH_FIRST_IMPLEMENTATIONS = ("xla", "xla_chunked")
 
@@ -203,6 +204,8 @@ _EXTENSIONS = dict(chunk_size=64, use_beta_sigmoid_in_kernel=False, allow_neg_ei
 _ALIASES = dict(A_log="a_log", dt_bias="delta_time_bias", use_qk_l2norm_in_kernel="use_qk_l2norm",
                 N_max="max_num_segments", cp_context="context_parallel_metadata")
 _LEGACY = ("safe_gate", "disable_recompute")
+# The oldest keyword names of the four leading arrays (kimi_delta_attention(q=, k=, v=, g=, beta=)).
+_ARRAY_ALIASES = dict(q="query", k="key", v="value", g="gate")
 
 
 class UnknownImplementationError(ValueError, NotImplementedError):
@@ -211,16 +214,55 @@ class UnknownImplementationError(ValueError, NotImplementedError):
     is supported."); this is both, so either ``except``/``assertRaises`` catches it."""
 
 
+try:  # Tokamax's newer ``bind`` is jaxtyped: a shape mismatch is a jaxtyping.TypeCheckError.
+    from jaxtyping import TypeCheckError as _TypeCheckError
+
+    _SHAPE_ERROR_BASES = (_TypeCheckError, ValueError)
+except ImportError:  # jaxtyping is optional
+    _SHAPE_ERROR_BASES = (ValueError,)
+
+
+class ShapeError(*_SHAPE_ERROR_BASES):
+    """An argument of the wrong shape. A ValueError (Tokamax's older ``bind`` raises ValueError
+    with the same wording) and, when jaxtyping is installed, a ``jaxtyping.TypeCheckError`` (its
+    newer, jaxtyped ``bind``), so tests of either version catch it."""
+
+
 def _implementations(implementation, accepted, only_xla=False):
+    """The entries of ``implementation`` up to and including the first one libkda runs, walked as
+    Tokamax walks them: a callable is tried (the caller falls through to the next entry when it
+    raises NotImplementedError); the first accepted name ends the walk (libkda runs every one, so
+    later names are never reached, as in Tokamax); an unknown name before that raises
+    ``UnknownImplementationError``. Returns the callables to try first."""
     if implementation is None:
-        return
-    impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+        return []
+    impls = (implementation,) if isinstance(implementation, str) or callable(implementation) else tuple(implementation)
     if not impls:
         raise ValueError("`implementation` must not be an empty sequence.")
+    callables = []
     for impl in impls:
+        if callable(impl):
+            callables.append(impl)
+            continue
         if impl not in accepted:
             suffix = " (Only XLA implementation is supported.)" if only_xla else ""
             raise UnknownImplementationError(f"Unknown implementation: {impl}{suffix}")
+        return callables
+    return callables + [None]  # None: every callable failed and no name follows
+
+
+def _try_callables(callables, args, kwargs):
+    """Runs the caller's implementation callables in order; returns (True, result) from the first
+    that does not raise NotImplementedError, or (False, None) to run libkda's."""
+    errors = []
+    for impl in callables:
+        if impl is None:
+            raise NotImplementedError(f"all implementations failed: {errors}")
+        try:
+            return True, impl(*args, **kwargs)
+        except NotImplementedError as e:
+            errors.append(e)
+    return False, None
 
 
 def _check_context_parallel(metadata):
@@ -275,12 +317,123 @@ def _options(options, given):
     return ext, renamed, legacy.get("safe_gate")
 
 
+def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, scale=None, initial_state=None,
+          output_final_state=False, use_qk_l2norm=False, use_gate_in_kernel=False, segment_ids=None,
+          lower_bound=None, context_parallel_metadata=None, max_num_segments=None, **options):
+    """Tokamax's ``bind``: validates every argument (its checks and wording, with libkda's
+    extensions) before anything runs, and returns the call's normalized arguments. Wrong shapes
+    raise ``ShapeError``, other bad values ValueError, unknown keywords TypeError."""
+    current = dict(a_log=a_log, delta_time_bias=delta_time_bias, use_qk_l2norm=use_qk_l2norm,
+                   max_num_segments=max_num_segments, context_parallel_metadata=context_parallel_metadata)
+    defaults = dict(a_log=None, delta_time_bias=None, use_qk_l2norm=False, max_num_segments=None,
+                    context_parallel_metadata=None)
+    ext, renamed, safe_gate = _options(options, {n: x for n, x in current.items() if x is not defaults[n]})
+    current.update(renamed)
+    # The older API's names in its messages when the call uses that API.
+    older = bool(renamed) or safe_gate is not None or "disable_recompute" in options
+    a_log_name, bias_name = ("A_log", "dt_bias") if older else ("a_log", "delta_time_bias")
+    a_log, delta_time_bias = current["a_log"], current["delta_time_bias"]
+    max_num_segments = current["max_num_segments"]
+    _check_context_parallel(current["context_parallel_metadata"])
+    # Tokamax's wording ("`k` shape ... must match `q` shape ..."), which its tests match, with
+    # the argument's name here and the layout.
+    if query.ndim != 4:
+        raise ShapeError(f"`q` must be rank 4 (argument 'query', head-first [H, B, T, K]), got shape "
+                         f"{tuple(query.shape)}.")
+    if value.ndim != 4:
+        raise ShapeError(f"`v` must be rank 4 (argument 'value', head-first [HV, B, T, V]), got shape "
+                         f"{tuple(value.shape)}.")
+    H, B, T, K = query.shape
+    HV, V = value.shape[0], value.shape[3]
+    if tuple(key.shape) != (H, B, T, K):
+        raise ShapeError(f"`k` shape {tuple(key.shape)} must match `q` shape {tuple(query.shape)} "
+                         "(argument 'key', head-first [H, B, T, K]).")
+    if value.shape[1:3] != (B, T) or HV < H or HV % H:
+        raise ShapeError(f"`v` shape {tuple(value.shape)} must be [HV, B, T, V] = [HV, {B}, {T}, V] with HV a "
+                         f"multiple of H = {H} (argument 'value', head-first).")
+    if tuple(gate.shape) != (HV, B, T, K):
+        raise ShapeError(f"`g` shape {tuple(gate.shape)} must be {(HV, B, T, K)} (argument 'gate', head-first "
+                         "[HV, B, T, K]).")
+    if tuple(beta.shape) != (HV, B, T):
+        raise ShapeError(f"`beta` shape {tuple(beta.shape)} must be {(HV, B, T)} (argument 'beta', head-first "
+                         "[HV, B, T]).")
+    if initial_state is not None:
+        if initial_state.ndim != 5 or initial_state.shape[0] != B:
+            raise ShapeError(f"`initial_state` must have shape [B, N, H, K, V] = [{B}, N, {HV}, {K}, {V}]; got "
+                             f"{tuple(initial_state.shape)}.")
+        if tuple(initial_state.shape[2:]) != (HV, K, V):
+            raise ShapeError(f"`initial_state` trailing dimensions must be {(HV, K, V)}; got "
+                             f"{tuple(initial_state.shape[2:])}.")
+        state_count = initial_state.shape[1]
+        if state_count <= 0:
+            raise ValueError("`initial_state` must contain at least one recurrent state.")
+        if max_num_segments is None:
+            max_num_segments = state_count
+        elif max_num_segments != state_count:
+            raise ValueError(
+                "`max_num_segments` (`N_max`) must match the `initial_state` segment dimension; got "
+                f"max_num_segments={max_num_segments}, num_segments={state_count}.")
+    if max_num_segments is not None and max_num_segments <= 0:
+        raise ValueError(f"`max_num_segments` must be positive, got {max_num_segments}.")
+    if segment_ids is None:
+        if max_num_segments not in (None, 1):
+            raise ValueError(
+                f"without segment_ids there is one state per batch row (N = 1), got N = {max_num_segments}")
+        num_states = 1
+    else:
+        if tuple(jnp.shape(segment_ids)) != (B, T):
+            raise ShapeError(f"`segment_ids` shape {tuple(jnp.shape(segment_ids))} must be {(B, T)}.")
+        if max_num_segments is None:
+            raise ValueError("`max_num_segments` is required when `segment_ids` is provided without "
+                             "`initial_state` (in Tokamax's older API: `N_max` is required).")
+        num_states = int(max_num_segments)
+        segment_ids = jnp.asarray(segment_ids)
+        if segment_ids.dtype != jnp.int32:
+            segment_ids = segment_ids.astype(jnp.int32)
+    if use_gate_in_kernel:
+        if a_log is None:
+            raise ValueError(f"`{a_log_name}` must be provided when `use_gate_in_kernel=True`.")
+        if tuple(jnp.shape(a_log)) != (HV,):
+            raise ShapeError(f"`{a_log_name}` shape {tuple(jnp.shape(a_log))} must be {(HV,)}.")
+        if delta_time_bias is not None and tuple(jnp.shape(delta_time_bias)) != (HV * K,):
+            raise ShapeError(f"`{bias_name}` shape {tuple(jnp.shape(delta_time_bias))} must be {(HV * K,)}.")
+        if safe_gate and lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and "
+                             "`use_gate_in_kernel=True`.")
+        if lower_bound is not None and not (-5 <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in [-5, 0), got {lower_bound}.")
+    else:
+        a_log = delta_time_bias = lower_bound = None
+    if ext["allow_neg_eigval"] and not ext["use_beta_sigmoid_in_kernel"]:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if ext["chunk_size"] not in (16, 32, 64):
+        raise ValueError(f"`chunk_size` must be 64, 32 or 16, got {ext['chunk_size']}.")
+    return dict(query=query, key=key, value=value, gate=gate, beta=beta, a_log=a_log,
+                delta_time_bias=delta_time_bias, scale=scale, initial_state=initial_state,
+                output_final_state=bool(output_final_state), use_qk_l2norm=bool(current["use_qk_l2norm"]),
+                use_gate_in_kernel=bool(use_gate_in_kernel), segment_ids=segment_ids, lower_bound=lower_bound,
+                num_states=num_states, **ext)
+
+
+def _leading_arrays(arrays, options):
+    """query, key, value, gate from the positionals or their oldest keyword names q, k, v, g."""
+    out = list(arrays)
+    for i, (old, new) in enumerate(_ARRAY_ALIASES.items()):
+        if old in options:
+            if out[i] is not None:
+                raise TypeError(f"kimi_delta_attention() got both `{new}` and its older name `{old}`")
+            out[i] = options.pop(old)
+        if out[i] is None:
+            raise TypeError(f"kimi_delta_attention() missing required argument '{new}' (or '{old}')")
+    return out
+
+
 def kimi_delta_attention(
-    query,
-    key,
-    value,
-    gate,
-    beta,
+    query=None,
+    key=None,
+    value=None,
+    gate=None,
+    beta=None,
     *,
     a_log=None,
     delta_time_bias=None,
@@ -303,9 +456,11 @@ def kimi_delta_attention(
       query, key: ``[H, B, T, K]``. value: ``[HV, B, T, V]`` (HV % H == 0; Tokamax has HV = H).
       gate: ``[HV, B, T, K]``, the log decay, or the raw gate with ``use_gate_in_kernel``.
       beta: ``[HV, B, T]`` (logits with ``use_beta_sigmoid_in_kernel``, a libkda extension).
-      a_log: ``[HV]``; delta_time_bias: ``[HV * K]`` -- the in-kernel gate
-        ``-exp(a_log) * softplus(gate + delta_time_bias)``, or with ``lower_bound`` (< 0)
-        ``lower_bound * sigmoid(exp(a_log) * (gate + delta_time_bias))`` (SPEC.md 1.3).
+        The four leading arrays may also be passed by the oldest API's keywords ``q``, ``k``,
+        ``v``, ``g``.
+      a_log: ``[HV]`` (required with ``use_gate_in_kernel``); delta_time_bias: ``[HV * K]`` -- the
+        in-kernel gate ``-exp(a_log) * softplus(gate + delta_time_bias)``, or with ``lower_bound``
+        (in [-5, 0)) ``lower_bound * sigmoid(exp(a_log) * (gate + delta_time_bias))`` (SPEC.md 1.3).
       scale: query scale, default ``K ** -0.5``.
       initial_state: ``[B, N, HV, K, V]`` (any float dtype); N = 1 without segment_ids.
       output_final_state: also return the final state, float32 ``[B, N, HV, K, V]``.
@@ -315,8 +470,11 @@ def kimi_delta_attention(
       max_num_segments: N with segment_ids (inferred from initial_state when omitted).
       context_parallel_metadata: None, or metadata whose mesh "context" axis has size 1 (ignored);
         real context parallelism raises NotImplementedError.
-      implementation: None, "xla", "mosaic", "mosaic_tpu", "pallas_tpu" or a sequence of them (all
-        run libkda's kernels); anything else raises ``ValueError("Unknown implementation: ...")``.
+      implementation: None, "xla", "xla_chunked", "mosaic", "mosaic_tpu", "pallas_tpu" (all run
+        libkda's kernels), a callable, or a sequence of them walked as Tokamax walks it: callables
+        are tried in order (NotImplementedError falls through to the next entry), the first name
+        runs libkda, and an unknown name reached before it raises ``ValueError("Unknown
+        implementation: ...")`` (``UnknownImplementationError``).
       **options: libkda extensions -- ``chunk_size`` (64, 32 or 16),
         ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, ``rematerialize_for_backward`` (False:
         the forward saves the state entering every chunk for the backward; True: recompute),
@@ -324,102 +482,67 @@ def kimi_delta_attention(
         as bf16 dot products with fp32 accumulation; False: fp32) -- and the older experimental
         API's keywords: ``A_log``, ``dt_bias``, ``use_qk_l2norm_in_kernel``,
         ``N_max`` (= max_num_segments), ``cp_context`` (as context_parallel_metadata),
-        ``safe_gate`` (True with the gate in kernel requires ``lower_bound`` in [-5, 0)) and
+        ``safe_gate`` (True with the gate in kernel requires ``lower_bound``) and
         ``disable_recompute`` (= not rematerialize_for_backward). Unknown keys raise TypeError.
+
+    Bad arguments raise before anything runs, with Tokamax's ``bind`` wording: ``ShapeError``
+    (a ValueError, and a ``jaxtyping.TypeCheckError`` when jaxtyping is installed) for shapes,
+    ValueError for values.
 
     Returns ``(output [HV, B, T, V] in query's dtype, final_state or None)``.
     """
-    _implementations(implementation, _IMPLEMENTATIONS)
-    defaults = dict(a_log=None, delta_time_bias=None, use_qk_l2norm=False, max_num_segments=None,
-                    context_parallel_metadata=None)
-    current = dict(a_log=a_log, delta_time_bias=delta_time_bias, use_qk_l2norm=use_qk_l2norm,
-                   max_num_segments=max_num_segments, context_parallel_metadata=context_parallel_metadata)
-    ext, renamed, safe_gate = _options(options, {n: x for n, x in current.items() if x is not defaults[n]})
-    current.update(renamed)
-    a_log, delta_time_bias = current["a_log"], current["delta_time_bias"]
-    use_qk_l2norm, max_num_segments = current["use_qk_l2norm"], current["max_num_segments"]
-    _check_context_parallel(current["context_parallel_metadata"])
-    chunk_size, use_beta_sigmoid_in_kernel = ext["chunk_size"], ext["use_beta_sigmoid_in_kernel"]
-    allow_neg_eigval, rematerialize_for_backward = ext["allow_neg_eigval"], ext["rematerialize_for_backward"]
-    bf16_dot_products = bool(ext["bf16_dot_products"])
-    # Tokamax's wording ("`k` shape ... must match `q` shape ..."), which its tests match, with
-    # the argument's name here and the layout.
-    if query.ndim != 4:
-        raise ValueError(f"`q` must be rank 4 (argument 'query', head-first [H, B, T, K]), got shape "
-                         f"{tuple(query.shape)}.")
-    if value.ndim != 4:
-        raise ValueError(f"`v` must be rank 4 (argument 'value', head-first [HV, B, T, V]), got shape "
-                         f"{tuple(value.shape)}.")
-    H, B, T, K = query.shape
-    HV, V = value.shape[0], value.shape[3]
-    if tuple(key.shape) != (H, B, T, K):
-        raise ValueError(f"`k` shape {tuple(key.shape)} must match `q` shape {tuple(query.shape)} "
-                         "(argument 'key', head-first [H, B, T, K]).")
-    if value.shape[1:3] != (B, T) or HV < H or HV % H:
-        raise ValueError(f"`v` shape {tuple(value.shape)} must be [HV, B, T, V] = [HV, {B}, {T}, V] with HV a "
-                         f"multiple of H = {H} (argument 'value', head-first).")
-    if tuple(gate.shape) != (HV, B, T, K):
-        raise ValueError(f"`g` shape {tuple(gate.shape)} must be {(HV, B, T, K)} (argument 'gate', head-first "
-                         "[HV, B, T, K]).")
-    if tuple(beta.shape) != (HV, B, T):
-        raise ValueError(f"`beta` shape {tuple(beta.shape)} must be {(HV, B, T)} (argument 'beta', head-first "
-                         "[HV, B, T]).")
-    if initial_state is not None:
-        if initial_state.ndim != 5:
-            raise ValueError(f"`initial_state` must have shape [B, N, HV, K, V] (rank 5), got "
-                             f"{tuple(initial_state.shape)}.")
-        state_count = initial_state.shape[1]
-        if max_num_segments is None:
-            max_num_segments = state_count
-        elif max_num_segments != state_count:
-            raise ValueError(
-                "`max_num_segments` (`N_max`) must match the `initial_state` segment dimension; got "
-                f"max_num_segments={max_num_segments}, num_segments={state_count}.")
-    if max_num_segments is not None and max_num_segments <= 0:
-        raise ValueError(f"`max_num_segments` must be positive, got {max_num_segments}.")
-    if segment_ids is None:
-        if max_num_segments not in (None, 1):
-            raise ValueError(
-                f"without segment_ids there is one state per batch row (N = 1), got N = {max_num_segments}")
-        num_states = 1
-    else:
-        if max_num_segments is None:
-            raise ValueError("`max_num_segments` is required when `segment_ids` is provided without "
-                             "`initial_state` (in Tokamax's older API: `N_max` is required).")
-        num_states = int(max_num_segments)
-        segment_ids = jnp.asarray(segment_ids)
-        if segment_ids.dtype != jnp.int32:
-            segment_ids = segment_ids.astype(jnp.int32)
-    if use_gate_in_kernel:
-        if a_log is None and lower_bound is None:
-            raise ValueError("`a_log` must be provided when `use_gate_in_kernel=True` (or set `lower_bound`).")
-        if safe_gate:
-            if lower_bound is None:
-                raise ValueError("`lower_bound` must be specified when `safe_gate=True` and "
-                                 "`use_gate_in_kernel=True`.")
-            if not (-5 <= lower_bound < 0):
-                raise ValueError(f"`lower_bound` must be in [-5, 0), got {lower_bound}.")
-    else:
-        a_log = delta_time_bias = lower_bound = None
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"`chunk_size` must be 64, 32 or 16, got {chunk_size}.")
-    flags = ((_L2NORM if use_qk_l2norm else 0) | (_GATE if use_gate_in_kernel else 0)
-             | (_BETA_SIGMOID if use_beta_sigmoid_in_kernel else 0) | (_NEG_EIGVAL if allow_neg_eigval else 0)
-             | (0 if bf16_dot_products else _FP32_PRODUCTS))
+    query, key, value, gate = _leading_arrays((query, key, value, gate), options)
+    if beta is None:
+        raise TypeError("kimi_delta_attention() missing required argument 'beta'")
+    named = dict(a_log=a_log, delta_time_bias=delta_time_bias, scale=scale, initial_state=initial_state,
+                 output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+                 use_gate_in_kernel=use_gate_in_kernel, segment_ids=segment_ids, lower_bound=lower_bound,
+                 context_parallel_metadata=context_parallel_metadata, max_num_segments=max_num_segments)
+    done, result = _try_callables(_implementations(implementation, _IMPLEMENTATIONS),
+                                  (query, key, value, gate, beta), dict(named, **options))
+    if done:
+        return result
+    a = _bind(query, key, value, gate, beta, **named, **options)
+    flags = ((_L2NORM if a["use_qk_l2norm"] else 0) | (_GATE if a["use_gate_in_kernel"] else 0)
+             | (_BETA_SIGMOID if a["use_beta_sigmoid_in_kernel"] else 0)
+             | (_NEG_EIGVAL if a["allow_neg_eigval"] else 0)
+             | (0 if bool(a["bf16_dot_products"]) else _FP32_PRODUCTS))
     oracle = jax.dtypes.canonicalize_dtype(query.dtype) == jnp.float64
     cfg = _Config(
-        scale=None if scale is None else float(scale),
-        lower_bound=None if lower_bound is None else float(lower_bound),
+        scale=None if a["scale"] is None else float(a["scale"]),
+        lower_bound=None if a["lower_bound"] is None else float(a["lower_bound"]),
         flags=flags,
-        chunk_size=int(chunk_size),
-        num_states=num_states,
-        segmented=segment_ids is not None,
-        output_final_state=bool(output_final_state),
-        save_states=not rematerialize_for_backward and not oracle,
+        chunk_size=int(a["chunk_size"]),
+        num_states=a["num_states"],
+        segmented=a["segment_ids"] is not None,
+        output_final_state=a["output_final_state"],
+        save_states=not a["rematerialize_for_backward"] and not oracle,
     )
-    return _kda(query, key, value, gate, beta, a_log, delta_time_bias, initial_state, segment_ids, cfg)
+    return _kda(query, key, value, gate, beta, a["a_log"], a["delta_time_bias"], a["initial_state"],
+                a["segment_ids"], cfg)
+
+
+class _Implementation:
+    """An entry of ``IMPLEMENTATIONS``, shaped like Tokamax's op objects: calling it runs
+    ``kimi_delta_attention``; ``bind(...)`` validates the arguments the same way (``ShapeError``
+    for shapes) and returns them normalized; ``vjp`` is the backward (libkda's fused C++ backward
+    behind the ``jax.custom_vjp``)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.vjp = _kda_bwd
+
+    def __call__(self, *args, **kwargs):
+        return kimi_delta_attention(*args, **kwargs)
+
+    def bind(self, query=None, key=None, value=None, gate=None, beta=None, **kwargs):
+        kwargs.pop("return_residuals", None)
+        kwargs.pop("implementation", None)
+        query, key, value, gate = _leading_arrays((query, key, value, gate), kwargs)
+        return _bind(query, key, value, gate, beta, **kwargs)
+
+    def __repr__(self):
+        return f"libkda.jax.IMPLEMENTATIONS[{self.name!r}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,25 +556,30 @@ def _batch_first_kimi_delta_attention(q, k, v, g, beta, *, scale: float | None =
     """Tokamax's batch-first ``kimi_delta_attention`` (tokamax/_src/ops/kda/api.py) on libkda.
 
     q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; g is the log decay;
-    initial_state ``[B, H, K, V]``. implementation: None, "xla" or "xla_chunked" (a sequence of
-    them); any other name raises ``UnknownImplementationError`` (a ValueError and a
-    NotImplementedError: "Unknown implementation: ... (Only XLA implementation is supported.)"),
-    which matches both Tokamax versions' tests.
+    initial_state ``[B, H, K, V]``. implementation: None, "xla" or "xla_chunked", a callable, or
+    a sequence of them walked as the head-first API walks it; an unknown name reached before a
+    known one raises ``UnknownImplementationError`` (a ValueError and a NotImplementedError:
+    "Unknown implementation: ... (Only XLA implementation is supported.)"), which matches both
+    Tokamax versions' tests.
     Runs the head-first ``kimi_delta_attention`` on transposed operands (XLA transposes; the
     gradients flow back through them). Returns ``(output [B, T, H, V] in q's dtype,
     final_state float32 [B, H, K, V] or None)``."""
-    _implementations(implementation, _BATCH_FIRST_IMPLEMENTATIONS, only_xla=True)
+    done, result = _try_callables(_implementations(implementation, _BATCH_FIRST_IMPLEMENTATIONS, only_xla=True),
+                                  (q, k, v, g, beta), dict(scale=scale, initial_state=initial_state,
+                                                           output_final_state=output_final_state))
+    if done:
+        return result
     if q.ndim != 4:
-        raise ValueError(f"`q` must be rank 4, got shape {q.shape}.")
+        raise ShapeError(f"`q` must be rank 4, got shape {q.shape}.")
     B, T, H, K = q.shape
     V = v.shape[-1]
     checks = (("k", k, q.shape), ("g", g, q.shape), ("v", v, (B, T, H, V)), ("beta", beta, (B, T, H)))
     for name, x, shape in checks:
         if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"`{name}` shape {tuple(x.shape)} must be {tuple(shape)} (batch-first, q is "
+            raise ShapeError(f"`{name}` shape {tuple(x.shape)} must be {tuple(shape)} (batch-first, q is "
                              f"[B, T, H, K] = {tuple(q.shape)}).")
     if initial_state is not None and tuple(initial_state.shape) != (B, H, K, V):
-        raise ValueError(f"`initial_state` shape {tuple(initial_state.shape)} must be {(B, H, K, V)}.")
+        raise ShapeError(f"`initial_state` shape {tuple(initial_state.shape)} must be {(B, H, K, V)}.")
     hf = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, T, H, ...] -> [H, B, T, ...]
     o, fs = kimi_delta_attention(hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), scale=scale,
                                  initial_state=None if initial_state is None else initial_state[:, None],
@@ -465,7 +593,7 @@ kimi_delta_attention_batch_first = _batch_first_kimi_delta_attention
 
 # Tokamax's head-first registries: "xla" only, so its tests of the TPU kernels (guarded by
 # `"mosaic_tpu" in IMPLEMENTATIONS`) skip; the names in _IMPLEMENTATIONS are still accepted.
-IMPLEMENTATIONS = {"xla": kimi_delta_attention}
+IMPLEMENTATIONS = {"xla": _Implementation("xla")}
 _DEFAULT_IMPLEMENTATIONS = ("xla",)
 
 kda = types.ModuleType(__name__ + ".kda", "Tokamax's batch-first KDA API (tokamax/_src/ops/kda/api.py) on libkda.")

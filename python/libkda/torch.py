@@ -524,6 +524,9 @@ def fused_recurrent_kda(
     With ``ssm_state_indices`` (vLLM's continuous batching; optional ``num_accepted_tokens`` for
     speculative decoding; ``inplace_final_state=True``), this is the decode entry: ``initial_state``
     is then a state pool ``[slots, HV, K, V]`` updated in place, see ``fused_recurrent_kda_fwd``.
+
+    ``store_dtype`` (a torch dtype, e.g. float16 or float8_e4m3fn; keyword) returns the final state
+    in that dtype: computed in fp32 as always, then cast (the FLA fork's state compression).
     """
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
     if kwargs.get("ssm_state_indices") is not None:
@@ -544,11 +547,15 @@ def fused_recurrent_kda(
     extra = {}
     if use_gate_in_kernel:
         extra = dict(A_log=A_log, dt_bias=dt_bias)
-    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                     allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
-                     cu_seqlens=cu_seqlens, **extra)
+    o, fs = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                      cu_seqlens=cu_seqlens, **extra)
+    store_dtype = kwargs.get("store_dtype")
+    if fs is not None and store_dtype is not None and store_dtype != fs.dtype:
+        fs = fs.to(store_dtype)  # computed in fp32, stored narrower (differentiable cast)
+    return o, fs
 
 
 def fused_recurrent_kda_fwd(
@@ -589,12 +596,20 @@ def fused_recurrent_kda_fwd(
 
     Without ``ssm_state_indices`` this is ``fused_recurrent_kda``; with ``inplace_final_state=True``
     and an ``initial_state`` ``[N, HV, K, V]``, as in FLA, sequence n's final state is written back
-    into ``initial_state[n]`` (forward only, no autograd) and ``final_state`` is ``initial_state``.
+    into ``initial_state[n]`` (forward only, no autograd) and ``final_state`` is ``initial_state``;
+    ``inplace_final_state=True`` without ``initial_state`` is FLA's AssertionError. With
+    ``inplace_final_state=False`` and ``ssm_state_indices`` the pool is left untouched and, with
+    ``output_final_state=True``, the float32 state after every token comes back (else None).
     ``out``, when given, receives o (a copy).
     """
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    if inplace_final_state and initial_state is None:
+        # FLA's `assert initial_state is not None` (an AssertionError also under python -O).
+        raise AssertionError("fused_recurrent_kda_fwd: inplace_final_state=True (the default) writes the final "
+                             "state into initial_state, which is None; pass initial_state or "
+                             "inplace_final_state=False")
     if ssm_state_indices is None:
-        inplace = bool(inplace_final_state) and initial_state is not None
+        inplace = bool(inplace_final_state)
         run = lambda: fused_recurrent_kda(  # noqa: E731
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state or inplace, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -622,6 +637,7 @@ def fused_recurrent_kda_fwd(
     if not inplace_final_state:
         o, fs = _decode_out_of_place(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens,
                                      cu_seqlens, gate)
+        fs = fs if output_final_state else None  # FLA: the per-token states only when asked for
         if out is not None:
             out.copy_(o.view(out.shape))
             o = out
@@ -664,12 +680,12 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     valid = read >= 0
     work[valid] = pool[read[valid]].to(torch.float32)
     slots = torch.where(valid, torch.arange(n, dtype=torch.int64), torch.full_like(read, -1))
-    final = torch.empty((n, t) + tuple(pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    final = torch.empty((n, t) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
     outs = []
     for i in range(t):
         step = [x[:, i:i + 1] for x in (q, k, v, g, beta)]
         outs.append(kda_decode(*step, work, slots, **gate))
-        final[:, i] = work.to(pool.dtype)
+        final[:, i] = work
     o = torch.cat(outs, dim=1) if outs else torch.empty_like(v, dtype=q.dtype)
     final = final.flatten(0, 1)
     return (o.flatten(0, 1).unsqueeze(0) if packed else o), final

@@ -259,8 +259,9 @@ def test_fla_test_kda_gate_and_naive_patterns():
 @pytest.mark.parametrize("two_d", [False, True])
 def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(two_d):
     """FLA/vLLM's ``inplace_final_state=False`` with ``ssm_state_indices``: each sequence starts from
-    the slot it reads, the pool is untouched, and the state after every token comes back as
-    ``[N * T, HV, K, V]`` (row ``n * T + t``); equal to running the same tokens in place."""
+    the slot it reads, the pool is untouched, and with ``output_final_state=True`` the state after
+    every token comes back as float32 ``[N * T, HV, K, V]`` (row ``n * T + t``; None without it);
+    equal to running the same tokens in place."""
     torch.manual_seed(4)
     N, T, H, K, V, slots = 3, 2 if two_d else 1, 2, 16, 8, 9
     x = dict(q=torch.randn(N, T, H, K), k=F.normalize(torch.randn(N, T, H, K), dim=-1), v=torch.randn(N, T, H, V),
@@ -272,9 +273,13 @@ def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(
     else:
         idx, nat = torch.tensor([4, -1, 7], dtype=torch.int32), None  # row 1: padding
     before = pool.clone()
+    o0, none = fused_recurrent_kda_fwd(**x, initial_state=pool, inplace_final_state=False,
+                                       ssm_state_indices=idx, num_accepted_tokens=nat)
+    assert none is None and torch.equal(pool, before), "the pool was written"
     o, states = fused_recurrent_kda_fwd(**x, initial_state=pool, inplace_final_state=False,
-                                        ssm_state_indices=idx, num_accepted_tokens=nat)
+                                        ssm_state_indices=idx, num_accepted_tokens=nat, output_final_state=True)
     assert torch.equal(pool, before), "the pool was written"
+    assert torch.equal(o, o0)
     assert states.shape == (N * T, H, K, V) and states.dtype == torch.float32
     # The same tokens in place, one token at a time, on a pool whose read slots hold the start states.
     read = [5, 1, 7] if two_d else [4, -1, 7]
@@ -288,6 +293,31 @@ def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(
             assert torch.equal(o[n, t], o_ref[0, 0]), f"o of row {n} token {t}"
             want = ref_pool[slot] if slot >= 0 else torch.zeros(H, K, V)
             assert torch.equal(states[n * T + t], want), f"state after row {n} token {t}"
+
+
+def test_fused_recurrent_fwd_inplace_without_initial_state_is_flas_assertion():
+    x = dict(q=torch.randn(1, 3, 1, 16), k=torch.randn(1, 3, 1, 16), v=torch.randn(1, 3, 1, 8),
+             g=F.logsigmoid(torch.randn(1, 3, 1, 16)), beta=torch.rand(1, 3, 1))
+    with pytest.raises(AssertionError, match="initial_state"):
+        fused_recurrent_kda_fwd(**x)
+    o, fs = fused_recurrent_kda_fwd(**x, inplace_final_state=False, output_final_state=True)
+    assert fs.shape == (1, 1, 16, 8) and o.shape == (1, 3, 1, 8)
+
+
+@pytest.mark.parametrize("store_dtype", [torch.float16, torch.bfloat16, torch.float32]
+                         + ([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else []))
+def test_fused_recurrent_store_dtype_casts_the_final_state(store_dtype):
+    """The FLA fork's state compression (tests/ops/test_kda_compression.py): computed in fp32, the
+    final state comes back in store_dtype; o is unchanged."""
+    torch.manual_seed(5)
+    B, T, H, K, V = 2, 40, 2, 32, 16
+    x = dict(q=F.normalize(torch.randn(B, T, H, K), dim=-1), k=F.normalize(torch.randn(B, T, H, K), dim=-1),
+             v=torch.randn(B, T, H, V), g=F.logsigmoid(torch.randn(B, T, H, K)), beta=torch.rand(B, T, H))
+    h0 = torch.randn(B, H, K, V)
+    o32, ref = fused_recurrent_kda(**x, initial_state=h0, output_final_state=True, store_dtype=torch.float32)
+    o, fs = fused_recurrent_kda(**x, initial_state=h0, output_final_state=True, store_dtype=store_dtype)
+    assert fs.dtype == store_dtype and torch.equal(o, o32)
+    assert torch.equal(fs, ref.to(store_dtype)), "not the fp32 state cast once"
 
 
 def test_chunk_kda_initial_state_count_must_match_cu_seqlens():

@@ -246,7 +246,7 @@ def test_implementation_registries_and_unknown_names():
     """Tokamax's tests skip the TPU kernels when "mosaic_tpu" is not registered; newer batch-first
     tests run "xla_chunked" and expect ValueError("Unknown implementation"), older ones
     NotImplementedError("Only XLA"): one exception satisfies both."""
-    assert "mosaic_tpu" not in kj.IMPLEMENTATIONS and kj.IMPLEMENTATIONS["xla"] is kj.kimi_delta_attention
+    assert "mosaic_tpu" not in kj.IMPLEMENTATIONS and kj.IMPLEMENTATIONS["xla"].vjp is not None
     assert kj._DEFAULT_IMPLEMENTATIONS == ("xla",) and kj.kda._DEFAULT_IMPLEMENTATIONS == ("xla",)
     assert set(kj.kda.IMPLEMENTATIONS) == {"xla", "xla_chunked"} and "mosaic_tpu" not in kj.kda.IMPLEMENTATIONS
     x, _, _ = _small(21, B=1, T=9)
@@ -360,16 +360,100 @@ def _same(a, b):
 
 
 def test_implementation_names():
+    """Every Tokamax name runs libkda's kernels, "xla_chunked" too (its newer tests compare it with
+    "xla"); a sequence is walked as Tokamax walks it: the first known name runs, so names after it
+    are never looked at, and an unknown name before it raises."""
     x, _, _ = _small()
     ref = kj.kimi_delta_attention(**x)
-    for impl in ("xla", "mosaic", "mosaic_tpu", "pallas_tpu", ("mosaic", "xla"), ["xla"]):
+    for impl in ("xla", "xla_chunked", "mosaic", "mosaic_tpu", "pallas_tpu", ("mosaic", "xla"),
+                 ("xla_chunked", "xla"), ["xla"], ("xla", "triton")):
         _same(kj.kimi_delta_attention(**x, implementation=impl), ref)
-    with pytest.raises(ValueError, match="^Unknown implementation: xla_chunked$"):
-        kj.kimi_delta_attention(**x, implementation="xla_chunked")
+    with pytest.raises(ValueError, match="^Unknown implementation: triton$"):
+        kj.kimi_delta_attention(**x, implementation="triton")
     with pytest.raises(ValueError, match="Unknown implementation: triton"):
-        kj.kimi_delta_attention(**x, implementation=("xla", "triton"))
+        kj.kimi_delta_attention(**x, implementation=("triton", "xla"))
     with pytest.raises(ValueError, match="must not be an empty sequence"):
         kj.kimi_delta_attention(**x, implementation=())
+
+
+def test_implementation_callables_fall_through_on_not_implemented():
+    x, _, _ = _small()
+    ref = kj.kimi_delta_attention(**x)
+    seen = []
+
+    def declines(*args, **kwargs):
+        seen.append(len(args))
+        raise NotImplementedError("not for this shape")
+
+    _same(kj.kimi_delta_attention(**x, implementation=(declines, "xla")), ref)
+    assert seen == [5]
+    marker = object()
+    assert kj.kimi_delta_attention(**x, implementation=lambda *a, **k: marker) is marker
+    with pytest.raises(NotImplementedError, match="all implementations failed"):
+        kj.kimi_delta_attention(**x, implementation=(declines,))
+
+
+def test_registry_entry_binds_with_shape_checks():
+    """Tokamax's newer base_test: IMPLEMENTATIONS["xla"].bind(...) raises jaxtyping.TypeCheckError
+    for every mismatched shape (ShapeError is also a ValueError, the older bind's error)."""
+    jt = pytest.importorskip("jaxtyping")
+    x, extra, h0 = _small(gate="lower_bound", N=1)
+    impl = kj.IMPLEMENTATIONS["xla"]
+    args = [x[n] for n in ("query", "key", "value", "gate", "beta")]
+    bound = impl.bind(*args, initial_state=h0)
+    assert bound["num_states"] == 1 and bound["initial_state"] is h0
+    bad = {
+        "query": [args[0][:, :, 0]] + args[1:],
+        "key": [args[0], args[1][..., :-1]] + args[2:],
+        "value": args[:2] + [args[2][:, :-1]] + args[3:],
+        "gate": args[:3] + [args[3][:, :, :-1]] + args[4:],
+        "beta": args[:4] + [args[4][..., :-1]],
+    }
+    for name, a in bad.items():
+        with pytest.raises(jt.TypeCheckError):
+            impl.bind(*a)
+        with pytest.raises(ValueError):
+            kj.kimi_delta_attention(*a)
+    B, T = args[0].shape[1:3]
+    with pytest.raises(jt.TypeCheckError, match="trailing dimensions"):
+        impl.bind(*args, initial_state=h0[..., :-1])
+    with pytest.raises(jt.TypeCheckError, match=r"must have shape \[B, N, H, K, V\]"):
+        impl.bind(*args, initial_state=h0[:1] if B > 1 else h0[None])
+    with pytest.raises(jt.TypeCheckError, match="`segment_ids` shape"):
+        impl.bind(*args, segment_ids=np.ones((B, T + 1), np.int32), max_num_segments=1)
+    out = impl(*args, initial_state=h0, output_final_state=True)
+    _same(out, kj.kimi_delta_attention(*args, initial_state=h0, output_final_state=True))
+
+
+def test_gate_argument_checks_match_tokamax_bind():
+    x, extra, _ = _small(gate="lower_bound")
+    a_log, bias = extra["a_log"], extra["delta_time_bias"]
+    with pytest.raises(ValueError, match="^`a_log` must be provided when `use_gate_in_kernel=True`.$"):
+        kj.kimi_delta_attention(**x, use_gate_in_kernel=True, lower_bound=-5.0)
+    with pytest.raises(ValueError, match="^`A_log` must be provided"):
+        kj.kimi_delta_attention(**x, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    with pytest.raises(ValueError, match=r"`a_log` shape \(3,\) must be \(2,\)"):
+        kj.kimi_delta_attention(**x, use_gate_in_kernel=True, a_log=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"`delta_time_bias` shape \(15,\) must be \(16,\)"):
+        kj.kimi_delta_attention(**x, use_gate_in_kernel=True, a_log=a_log, delta_time_bias=bias[:-1])
+    with pytest.raises(ValueError, match=r"`dt_bias` shape"):
+        kj.kimi_delta_attention(**x, use_gate_in_kernel=True, A_log=a_log, dt_bias=bias[:-1])
+    for lb in (-6.0, 0.0, 0.5):
+        with pytest.raises(ValueError, match=r"`lower_bound` must be in \[-5, 0\)"):
+            kj.kimi_delta_attention(**x, use_gate_in_kernel=True, a_log=a_log, lower_bound=lb)
+    # The gate's parameters and bound are ignored without the gate in kernel, as in Tokamax.
+    _same(kj.kimi_delta_attention(**x, a_log=np.zeros(3, np.float32), lower_bound=2.0), kj.kimi_delta_attention(**x))
+
+
+def test_oldest_keyword_names_of_the_arrays():
+    """kimi_delta_attention(q=, k=, v=, g=, beta=) (the A_log-era API) equals the positional call."""
+    x, _, _ = _small()
+    ref = kj.kimi_delta_attention(**x)
+    _same(kj.kimi_delta_attention(q=x["query"], k=x["key"], v=x["value"], g=x["gate"], beta=x["beta"]), ref)
+    with pytest.raises(TypeError, match="both `query` and its older name `q`"):
+        kj.kimi_delta_attention(x["query"], x["key"], x["value"], x["gate"], x["beta"], q=x["query"])
+    with pytest.raises(TypeError, match="missing required argument 'gate'"):
+        kj.kimi_delta_attention(q=x["query"], k=x["key"], v=x["value"], beta=x["beta"])
 
 
 def test_context_parallel_metadata_single_device_runs():
