@@ -1,0 +1,406 @@
+"""FLA's own KDA test cases (fla-org/flash-linear-attention tests/ops/test_kda.py: test_chunk,
+test_chunk_varlen, test_chunk_use_beta_sigmoid_in_kernel, test_chunk_state_v_first,
+test_fused_recurrent_gate_in_kernel, test_fused_recurrent_vllm_decode) run on libkda.torch with
+FLA's metric and tolerances: rms(ref - ours) / rms(ref), skipped when the largest absolute error
+is below 1e-6. The reference is stricter than FLA's: the token-by-token recurrence and the gate
+evaluated in float64 on float64 copies of the inputs (so every tolerance is against the exact
+answer, not against another low-precision kernel).
+
+The case matrices are FLA's; by default each sequence is cut to at most 256 tokens and 4 heads so
+the whole file runs in seconds on 2 cores. KDA_LARGE_TESTS=1 runs FLA's full sizes (T up to 8192)."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from libkda.torch import (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd,  # noqa: E402
+                          naive_kda_gate, naive_kda_lowerbound_gate, naive_recurrent_kda)
+
+LARGE = os.environ.get("KDA_LARGE_TESTS") == "1"
+F64 = torch.float64
+
+
+def cap_t(T):
+    return T if LARGE else min(T, 256)
+
+
+def cap_h(H):
+    return H if LARGE else min(H, 4)
+
+
+def fla_assert_close(name, ref, tri, ratio, err_atol=1e-6):
+    """FLA's assert_close (fla/utils.py): the rms error ratio, unless every error is tiny."""
+    ref = ref.detach().to(F64)
+    tri = tri.detach().to(F64)
+    abs_err = (ref - tri).abs().max().item()
+    err = (ref - tri).square().mean().sqrt().item()
+    base = ref.square().mean().sqrt().item()
+    rate = err / (base + 1e-8)
+    assert abs_err <= err_atol or rate < ratio, (
+        f"{name}: rms error ratio {rate:.3e} >= {ratio} (max abs error {abs_err:.3e}, rms of reference {base:.3e})")
+
+
+def leaves(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def f64(*xs):
+    """float64 leaves holding the same values: the reference's inputs."""
+    return [None if x is None else x.detach().to(F64).requires_grad_(True) for x in xs]
+
+
+def grads(*xs):
+    out = [None if x is None else x.grad for x in xs]
+    for x in xs:
+        if x is not None:
+            x.grad = None
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# test_chunk: fixed length, GVA (HV > H), gate in kernel, safe gate, chunk sizes, both
+# residual policies, fp16 / bf16.
+# (B, T, H, HV, D, scale, gate_logit_normalizer, mask_p, qk_l2norm_in_kernel, gate_in_kernel,
+#  dtype, safe_gate, disable_recompute, chunk_size)
+CHUNK_CASES = [
+    (1, 63, 1, 1, 64, 1, 1, 0, False, False, torch.float16, True, False, 64),
+    (2, 500, 3, 3, 60, 1, 1, 0, False, False, torch.float16, True, True, 64),
+    (2, 1000, 3, 3, 64, 0.1, 1, 0.5, False, False, torch.float16, False, True, 64),
+    (3, 1024, 4, 4, 100, 1, 0.1, 0, False, False, torch.float16, False, False, 64),
+    (4, 1024, 4, 4, 128, 0.1, 1, 0, False, False, torch.float16, True, True, 64),
+    (4, 1024, 4, 4, 128, 0.1, 1, 0, True, False, torch.float16, True, False, 64),
+    (2, 1500, 4, 4, 128, 0.1, 10, 0, False, True, torch.float16, False, True, 64),
+    (4, 2048, 8, 8, 64, 0.1, 1, 0, False, True, torch.float16, True, True, 64),
+    (2, 1024, 2, 4, 64, 0.1, 1, 0, False, False, torch.float16, False, False, 64),
+    (2, 1024, 2, 8, 64, 0.1, 1, 0, False, True, torch.float16, False, False, 64),
+    (2, 1024, 4, 8, 128, 0.1, 1, 0, True, True, torch.float16, False, False, 64),
+    (2, 160, 2, 4, 64, 0.1, 1, 0, False, True, torch.float16, True, True, 32),
+    (2, 1024, 2, 4, 64, 0.1, 1, 0, True, True, torch.bfloat16, True, False, 64),
+    (2, 1024, 2, 4, 64, 0.1, 1, 0, False, True, torch.bfloat16, False, False, 64),
+    (2, 160, 2, 4, 64, 0.1, 1, 0, False, True, torch.bfloat16, True, True, 32),
+    (2, 1024, 2, 8, 128, 0.1, 1, 0, True, True, torch.bfloat16, False, False, 64),
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "B{}-T{}-H{}-HV{}-D{}-s{}-n{}-m{}-l2{}-gate{}-{}-safe{}-dr{}-c{}"
+                         .format(*c).replace("torch.", ""))
+def test_chunk(case):
+    B, T, H, HV, D, scale, norm, mask_p, l2_in_kernel, gate_in_kernel, dtype, safe_gate, disable_recompute, cs = case
+    T = cap_t(T)
+    if not LARGE and HV > 4:  # keep the group ratio HV / H
+        H, HV = max(1, H * 4 // HV), 4
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D, dtype=dtype)
+    k = torch.rand(B, T, H, D, dtype=dtype)
+    v = torch.rand(B, T, HV, D, dtype=dtype)
+    g = torch.randn(B, T, HV, D, dtype=torch.float if not gate_in_kernel else dtype)
+    A_log = dt_bias = None
+    if gate_in_kernel:
+        A_log = torch.randn(HV, dtype=torch.float)
+        dt_bias = torch.randn(HV * D, dtype=torch.float)
+    else:
+        g = F.logsigmoid(g) / norm
+        g = g * (torch.rand_like(g) > mask_p)
+    lower_bound = -5.0 if safe_gate else None
+    if safe_gate and not gate_in_kernel:
+        g = g.clamp(-5, 0)
+    beta = torch.randn(B, T, HV, dtype=dtype).sigmoid()
+    h0 = torch.randn(B, HV, D, D, dtype=torch.float32)
+    do = torch.randn_like(v)
+    dht = torch.randn_like(h0)
+
+    # float64 reference
+    rq, rk, rv, rg, rb, rh0, rA, rbias = f64(q, k, v, g, beta, h0, A_log, dt_bias)
+    if gate_in_kernel:
+        gate_fn = naive_kda_lowerbound_gate if safe_gate else naive_kda_gate
+        rgate = gate_fn(rg, rA, rbias, output_dtype=F64)
+    else:
+        rgate = rg
+    ref, ref_ht = naive_recurrent_kda(F.normalize(rq, p=2, dim=-1), F.normalize(rk, p=2, dim=-1), rv, rgate, rb,
+                                      scale=scale, initial_state=rh0, output_final_state=True)
+    ((ref * do.to(F64)).sum() + (ref_ht * dht.to(F64)).sum()).backward()
+    ref_g = grads(rq, rk, rv, rg, rb, rh0, rA, rbias)
+
+    q, k, v, g, beta, h0 = leaves(q, k, v, g, beta, h0)
+    if gate_in_kernel:
+        A_log, dt_bias = leaves(A_log, dt_bias)
+    tri, tri_ht = chunk_kda(
+        q=q if l2_in_kernel else F.normalize(q, p=2, dim=-1), k=k if l2_in_kernel else F.normalize(k, p=2, dim=-1),
+        v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=l2_in_kernel, use_gate_in_kernel=gate_in_kernel, safe_gate=safe_gate,
+        lower_bound=lower_bound, disable_recompute=disable_recompute, chunk_size=cs)
+    ((tri * do).sum() + (tri_ht * dht).sum()).backward()
+    tri_g = grads(q, k, v, g, beta, h0, A_log, dt_bias)
+
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+    for name, r, t, tol in zip(("dq", "dk", "dv", "dg", "db", "dh0"), ref_g, tri_g, (0.008, 0.008, 0.008, 0.02, 0.02, 0.008)):
+        fla_assert_close(name, r, t, tol)
+    if gate_in_kernel:
+        # FLA only warns above 0.003; SPEC.md 4 bounds dA_log at 2e-2 for bf16/fp16 inputs (bf16
+        # cases measure 3.8e-3 here, fp16 ones stay under 0.003).
+        fla_assert_close("dA", ref_g[6], tri_g[6], 0.003 if dtype == torch.float16 else 0.02)
+        fla_assert_close("dbias", ref_g[7], tri_g[7], 0.008)
+
+
+# ------------------------------------------------------------------------------------------
+# test_chunk_varlen: packed sequences (cu_seqlens), g = -1000 on masked channels, gate in kernel
+# with FLA's [1, 1, H, 1] A_log, odd head dims (60, 100), chunk 32.
+# (H, D, mask_p, cu_seqlens, dtype, gate_in_kernel, safe_gate, disable_recompute, chunk_size)
+VARLEN_CASES = [
+    (4, 60, 0.1, [0, 15], torch.float16, True, False, False, 64),
+    (4, 64, 0.9, [0, 256, 500, 1000], torch.float16, True, False, False, 64),
+    (4, 128, 0.5, [0, 256, 500, 1000], torch.float16, False, False, False, 64),
+    (4, 100, 0, [0, 15, 100, 300, 1200, 2000], torch.float16, True, False, False, 64),
+    (4, 256, 0, [0, 100, 300, 1200, 3000, 4096], torch.float16, False, True, True, 64),
+    (4, 60, 0.1, [0, 31, 96, 160], torch.float16, True, False, True, 32),
+]
+
+
+def _scaled_cu_seqlens(cu):
+    """Each sequence cut to cap_t tokens (boundaries stay non-aligned)."""
+    lengths = [cap_t(b - a) for a, b in zip(cu[:-1], cu[1:])]
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "H{}-D{}-m{}-cu{}-{}-gate{}-safe{}-dr{}-c{}"
+                         .format(*c).replace("torch.", "").replace(" ", ""))
+def test_chunk_varlen(case):
+    H, D, mask_p, cu, dtype, gate_in_kernel, safe_gate, disable_recompute, cs = case
+    torch.manual_seed(42)
+    cu = torch.LongTensor(_scaled_cu_seqlens(cu))
+    T, N = int(cu[-1]), len(cu) - 1
+    q = torch.randn((1, T, H, D), dtype=dtype)
+    k = F.normalize(torch.randn(1, T, H, D, dtype=torch.float32), p=2, dim=-1).to(dtype)
+    v = torch.randn((1, T, H, D), dtype=dtype)
+    g = torch.randn(1, T, H, D, dtype=torch.float if not gate_in_kernel else dtype)
+    A_log = dt_bias = None
+    if gate_in_kernel:
+        A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16))
+        dt_bias = torch.randn(H * D, dtype=torch.float32)
+    else:
+        g = F.logsigmoid(g)
+        g = g * (torch.rand_like(g) > mask_p)
+    mask = torch.rand_like(g) > mask_p
+    g = g * mask + (~mask) * (-1000)
+    if safe_gate:
+        g = g.clamp(-5, 0)
+    beta = torch.rand(1, T, H, dtype=dtype).sigmoid()
+    h0 = torch.randn((N, H, D, D), dtype=torch.float32)
+    do = torch.randn_like(v)
+    dht = torch.rand_like(h0)
+
+    rq, rk, rv, rg, rb, rh0, rA, rbias = f64(q, k, v, g, beta, h0, A_log, dt_bias)
+    ref, ref_ht = [], []
+    for i in range(N):
+        a, b = int(cu[i]), int(cu[i + 1])
+        gi = naive_kda_gate(rg[:, a:b], rA, rbias, output_dtype=F64) if gate_in_kernel else rg[:, a:b]
+        o_i, ht_i = naive_recurrent_kda(F.normalize(rq[:, a:b], p=2, dim=-1), rk[:, a:b], rv[:, a:b], gi,
+                                        rb[:, a:b], initial_state=rh0[i:i + 1], output_final_state=True)
+        ref.append(o_i)
+        ref_ht.append(ht_i)
+    ref, ref_ht = torch.cat(ref, 1), torch.cat(ref_ht, 0)
+    ((ref * do.to(F64)).sum() + (ref_ht * dht.to(F64)).sum()).backward()
+    ref_g = grads(rq, rk, rv, rg, rb, rh0, rA, rbias)
+
+    q, k, v, g, beta, h0 = leaves(q, k, v, g, beta, h0)
+    if gate_in_kernel:
+        A_log, dt_bias = leaves(A_log, dt_bias)
+    tri, tri_ht = chunk_kda(q=F.normalize(q, p=2, dim=-1), k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                            initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu,
+                            use_gate_in_kernel=gate_in_kernel, safe_gate=safe_gate,
+                            disable_recompute=disable_recompute, chunk_size=cs)
+    ((tri * do).sum() + (tri_ht * dht).sum()).backward()
+    tri_g = grads(q, k, v, g, beta, h0, A_log, dt_bias)
+
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+    for name, r, t, tol in zip(("dq", "dk", "dv", "dg", "db", "dh0"), ref_g, tri_g, (0.007, 0.008, 0.007, 0.015, 0.015, 0.007)):
+        fla_assert_close(name, r, t, tol)
+    if gate_in_kernel:
+        assert tri_g[6].shape == A_log.shape, "dA_log not in the caller's shape"
+        fla_assert_close("dA", ref_g[6], tri_g[6], 0.008)
+        fla_assert_close("dbias", ref_g[7], tri_g[7], 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_chunk_use_beta_sigmoid_in_kernel: raw beta logits with the sigmoid (x2 with
+# allow_neg_eigval) in kernel against the same call with beta activated outside, every gradient
+# (the raw-beta one after its cast to the input dtype) within 1e-4.
+@pytest.mark.parametrize("B,T,H,D,allow_neg_eigval,dtype", [
+    (1, 8192, 96, 128, False, torch.bfloat16),
+    (1, 8192, 96, 128, True, torch.bfloat16),
+    (2, 96, 2, 64, True, torch.float16),
+])
+def test_chunk_use_beta_sigmoid_in_kernel(B, T, H, D, allow_neg_eigval, dtype):
+    T, H = (T, H) if LARGE else (min(T, 1024), min(H, 8))
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D, dtype=dtype)
+    k = torch.rand(B, T, H, D, dtype=dtype)
+    v = torch.rand(B, T, H, D, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, D, dtype=torch.float))
+    beta_raw = torch.randn(B, T, H, dtype=dtype)
+    beta_post = beta_raw.float().sigmoid()
+    h0 = torch.randn(B, H, D, D, dtype=torch.float32)
+    q, k, v, g, beta_post, beta_raw, h0 = leaves(q, k, v, g, beta_post, beta_raw, h0)
+    do = torch.randn_like(v)
+    dht = torch.randn_like(h0)
+    common = dict(scale=None, initial_state=h0, output_final_state=True)
+
+    ref, ref_ht = chunk_kda(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g,
+                            beta=beta_post * (2 if allow_neg_eigval else 1), **common)
+    ((ref * do).sum() + (ref_ht * dht).sum()).backward()
+    ref_dq, ref_dk, ref_dv, ref_dg, ref_db, ref_dh0 = grads(q, k, v, g, beta_post, h0)
+    tri, tri_ht = chunk_kda(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta_raw,
+                            use_beta_sigmoid_in_kernel=True, allow_neg_eigval=allow_neg_eigval, **common)
+    ((tri * do).sum() + (tri_ht * dht).sum()).backward()
+    tri_dq, tri_dk, tri_dv, tri_dg, tri_db_raw, tri_dh0 = grads(q, k, v, g, beta_raw, h0)
+    s = beta_post.detach()
+    ref_db_raw = (ref_db * s * (1 - s)).to(tri_db_raw.dtype)
+    for name, r, t in (("o", ref, tri), ("ht", ref_ht, tri_ht), ("dq", ref_dq, tri_dq), ("dk", ref_dk, tri_dk),
+                       ("dv", ref_dv, tri_dv), ("dg", ref_dg, tri_dg), ("db_raw", ref_db_raw, tri_db_raw),
+                       ("dh0", ref_dh0, tri_dh0)):
+        fla_assert_close(name, r, t, 1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# test_chunk_state_v_first: the V-first state layout ([V, K]) against K-first, within 1e-4.
+@pytest.mark.parametrize("B,T,H,D,scale,norm,dtype", [
+    (1, 63, 1, 64, 1, 1, torch.float16),
+    (2, 500, 3, 60, 1, 1, torch.float16),
+    (3, 1024, 4, 128, 0.1, 1, torch.float16),
+    (4, 2048, 8, 64, 0.1, 1, torch.float16),
+])
+def test_chunk_state_v_first(B, T, H, D, scale, norm, dtype):
+    T, H = cap_t(T), cap_h(H)
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D, dtype=dtype)
+    k = torch.rand(B, T, H, D, dtype=dtype)
+    v = torch.rand(B, T, H, D, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, D, dtype=torch.float)) / norm
+    beta = torch.randn(B, T, H, dtype=dtype).sigmoid()
+    h0_kv = torch.randn(B, H, D, D, dtype=torch.float32)
+    h0_vk = h0_kv.transpose(-1, -2).contiguous()
+    q, k, v, g, beta, h0_kv, h0_vk = leaves(q, k, v, g, beta, h0_kv, h0_vk)
+    do = torch.randn_like(v)
+    dht_vk = torch.randn(B, H, D, D, dtype=torch.float32)
+    dht_kv = dht_vk.transpose(-1, -2).contiguous()
+    x = lambda: dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta,  # noqa: E731
+                     scale=scale, output_final_state=True)
+    tri, tri_ht = chunk_kda(**x(), initial_state=h0_vk, state_v_first=True)
+    ((tri * do).sum() + (tri_ht * dht_vk).sum()).backward()
+    tri_g = grads(q, k, v, g, beta, h0_vk)
+    ref, ref_ht = chunk_kda(**x(), initial_state=h0_kv, state_v_first=False)
+    ((ref * do).sum() + (ref_ht * dht_kv).sum()).backward()
+    ref_g = grads(q, k, v, g, beta, h0_kv)
+    fla_assert_close("o", ref, tri, 1e-4)
+    fla_assert_close("ht", ref_ht, tri_ht.transpose(-1, -2), 1e-4)
+    for name, r, t in zip(("dq", "dk", "dv", "dg", "db"), ref_g[:5], tri_g[:5]):
+        fla_assert_close(name, r, t, 1e-4)
+    fla_assert_close("dh0", ref_g[5], tri_g[5].transpose(-1, -2), 1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# test_fused_recurrent_gate_in_kernel: the gate in kernel (softplus or lower bound, with and
+# without A_log / dt_bias, GVA) against the gate applied outside, within 0.002.
+@pytest.mark.parametrize("B,T,H,HV,D,scale,has_a_log,has_dt_bias,safe_gate,dtype", [
+    (1, 64, 2, 2, 64, 1, True, True, False, torch.float),
+    (2, 128, 2, 4, 64, 0.5, True, False, False, torch.float),
+    (2, 100, 4, 4, 128, 0.1, True, True, True, torch.float16),
+    (4, 1024, 4, 4, 128, 0.1, True, True, True, torch.float16),
+    (1, 64, 1, 1, 64, 1, False, False, True, torch.float),
+    (2, 256, 2, 4, 64, 1, False, True, True, torch.float),
+])
+def test_fused_recurrent_gate_in_kernel(B, T, H, HV, D, scale, has_a_log, has_dt_bias, safe_gate, dtype):
+    T = cap_t(T)
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D, dtype=dtype)
+    k = torch.rand(B, T, H, D, dtype=dtype)
+    v = torch.rand(B, T, HV, D, dtype=dtype)
+    beta = torch.rand(B, T, HV, dtype=dtype).sigmoid()
+    g_raw = torch.randn(B, T, HV, D, dtype=torch.float32)
+    A_log = torch.log(torch.empty(HV, dtype=torch.float32).uniform_(1, 16)) if has_a_log else None
+    dt_bias = torch.randn(HV * D, dtype=torch.float32) if has_dt_bias else None
+    h0 = torch.randn(B, HV, D, D, dtype=torch.float32)
+    lower_bound = -5.0 if safe_gate else None
+    gate_fn = naive_kda_lowerbound_gate if safe_gate else naive_kda_gate
+    common = dict(q=q, k=k, v=v, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    ref, ref_ht = fused_recurrent_kda(g=gate_fn(g_raw, A_log, dt_bias), **common)
+    tri, tri_ht = fused_recurrent_kda(g=g_raw, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                                      lower_bound=lower_bound, **common)
+    fla_assert_close("o", ref, tri, 0.002)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.002)
+    # and both against the float64 recurrence
+    rq, rk, rv, rb, rh0, rg = f64(q, k, v, beta, h0, g_raw)
+    rA, rbias = f64(A_log, dt_bias)
+    gate = gate_fn(rg, rA, rbias, output_dtype=F64)
+    o64, ht64 = naive_recurrent_kda(F.normalize(rq, dim=-1), F.normalize(rk, dim=-1), rv, gate, rb, scale=scale,
+                                    initial_state=rh0, output_final_state=True)
+    fla_assert_close("o vs fp64", o64, tri, 0.005)
+    fla_assert_close("ht vs fp64", ht64, tri_ht, 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_fused_recurrent_vllm_decode (GPU-only in FLA; the CPU decode here): continuous batching,
+# one token per sequence in vLLM's packed layout, a state pool whose untouched slots hold 1e30
+# and must stay bitwise unchanged.
+@pytest.mark.parametrize("B,H,D,scale,norm,l2_in_kernel,gate_in_kernel,safe_gate,dtype", [
+    (16, 16, 128, 0.1, 1.0, True, False, False, torch.bfloat16),
+    (32, 8, 64, 1.0, 1.0, False, False, False, torch.float16),
+    (7, 32, 128, 0.5, 0.5, True, False, False, torch.bfloat16),
+    (16, 16, 128, 0.1, 1.0, True, True, False, torch.bfloat16),
+    (32, 8, 64, 1.0, 1.0, False, True, False, torch.float16),
+    (7, 32, 128, 0.5, 0.5, True, True, True, torch.bfloat16),
+])
+def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in_kernel, safe_gate, dtype):
+    torch.manual_seed(42)
+    slots = B * 3
+    pool = torch.randn(slots, H, D, D, dtype=torch.float32)
+    idx = torch.randperm(slots)[:B].int()
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[idx.long()] = False
+    pool[untouched] = 1e30
+    q = torch.rand(1, B, H, D, dtype=dtype)
+    k = torch.rand(1, B, H, D, dtype=dtype)
+    v = torch.rand(1, B, H, D, dtype=dtype)
+    g = torch.randn(1, B, H, D, dtype=torch.float if not gate_in_kernel else dtype)
+    A_log = dt_bias = lower_bound = None
+    if gate_in_kernel:
+        A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16)).squeeze()
+        dt_bias = torch.randn(H * D, dtype=torch.float32)
+        lower_bound = -5.0 if safe_gate else None
+    else:
+        g = F.logsigmoid(g) / norm
+    beta = torch.randn(1, B, H, dtype=dtype).sigmoid()
+    cu = torch.arange(0, B + 1, dtype=torch.int32)
+    ref_pool = pool.to(F64)
+    ref_o = []
+    gate_fn = naive_kda_lowerbound_gate if safe_gate else naive_kda_gate
+    for i in range(B):
+        s = int(idx[i])
+        qi, ki, vi, gi, bi = (x[:, i:i + 1].to(F64) for x in (q, k, v, g, beta))
+        if gate_in_kernel:
+            gi = gate_fn(gi, A_log.to(F64), dt_bias.to(F64), output_dtype=F64)
+        o_i, ht_i = naive_recurrent_kda(F.normalize(qi, dim=-1), F.normalize(ki, dim=-1), vi, gi, bi, scale=scale,
+                                        initial_state=ref_pool[s:s + 1], output_final_state=True)
+        ref_o.append(o_i)
+        ref_pool[s] = ht_i[0]
+    ref_o = torch.cat(ref_o, 1)
+    tri_pool = pool.clone()
+    tri_o, _ = fused_recurrent_kda_fwd(
+        q=q if l2_in_kernel else F.normalize(q.float(), dim=-1).to(dtype),
+        k=k if l2_in_kernel else F.normalize(k.float(), dim=-1).to(dtype),
+        v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=tri_pool, scale=scale,
+        output_final_state=False, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
+        num_accepted_tokens=None, use_qk_l2norm_in_kernel=l2_in_kernel, use_gate_in_kernel=gate_in_kernel,
+        lower_bound=lower_bound)
+    fla_assert_close("o", ref_o, tri_o, 0.005)
+    fla_assert_close("ht", ref_pool[idx.long()], tri_pool[idx.long()], 0.005)
+    assert torch.equal(tri_pool[untouched], pool[untouched]), "an untouched pool slot was written"
