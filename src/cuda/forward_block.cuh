@@ -74,12 +74,16 @@ KDA_HDI FwdLayout fwd_layout(int C, int K, int VT) {
   return L;
 }
 
+// The log decay, raised to -1000 where it is below (the CPU kernels' kMinLogDecay: e^g is 0 in
+// fp32 either way, and the prefix sums stay finite; NaN is kept).
 KDA_DI float activate_gate(const DTransforms& tr, float raw, float bias, float a) {
+  float g;
   switch (tr.gate) {
-    case 0: return raw;
-    case 1: return -a * softplus_f32(raw + bias);
-    default: return tr.lower_bound * sigmoid_f32(a * (raw + bias));
+    case 0: g = raw; break;
+    case 1: g = -a * softplus_f32(raw + bias); break;
+    default: g = tr.lower_bound * sigmoid_f32(a * (raw + bias)); break;
   }
+  return g < -1000.0f ? -1000.0f : g;
 }
 
 KDA_DI float activate_beta(const DTransforms& tr, float raw) {

@@ -226,6 +226,32 @@ TEST(BackwardNumerics, ExtremeLogDecay) {
   expect_backward_matches_oracle(c, Residuals::kRemat);
 }
 
+// g = -inf (a hard reset) and g = -1e20 on some entries: every gradient finite and within the
+// fp32 bounds of the oracle (the exact derivative through e^g = 0 is 0).
+TEST(BackwardNumerics, InfiniteLogDecay) {
+  for (double value : {-std::numeric_limits<double>::infinity(), -1e20}) {
+    Case c;
+    c.T = 150, c.H = 1, c.HV = 2, c.K = 32, c.V = 32;
+    c.initial_state = true;
+    Inputs in = make_inputs(c);
+    std::mt19937 rng(11);
+    for (std::int64_t i = 0; i < in.g.numel(); ++i)
+      if (rng() % 50 == 0) in.g.set(i, value);
+    const Cotangents ct = make_cotangents(c, 13);
+    const Grads ref = run_backward(c, in, ct, true);
+    for (Residuals r : {Residuals::kSaved, Residuals::kRemat}) {
+      const Grads out = run_backward(c, in, ct, false, r);
+      for (const auto& [name, a, b] : {std::tuple{"dq", &out.dq, &ref.dq}, std::tuple{"dk", &out.dk, &ref.dk},
+                                        std::tuple{"dv", &out.dv, &ref.dv}, std::tuple{"dg", &out.dg, &ref.dg},
+                                        std::tuple{"dbeta", &out.dbeta, &ref.dbeta},
+                                        std::tuple{"dh0", &out.dh0, &ref.dh0}}) {
+        const Metric m = compare(*a, *b);
+        EXPECT_TRUE(m.finite && m.rel <= 1e-4) << name << " g=" << value << ": " << m.str();
+      }
+    }
+  }
+}
+
 TEST(BackwardNumerics, HugeALogSaturatesTheGate) {
   for (Gate gate : {Gate::kLowerBound, Gate::kSoftplus}) {
     Case c;

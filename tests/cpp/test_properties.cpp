@@ -1,6 +1,7 @@
 // Exact contracts of SPEC.md section 4, asserted bitwise: packed vs padded layouts, fused vs
 // staged, batch invariance, causality, layout equivalence (head-first strides, V-first
 // states), padding outputs, empty segments, segment isolation; and extreme gates.
+#include <cmath>
 #include <limits>
 
 #include "test_util.hpp"
@@ -372,6 +373,36 @@ TEST_P(SparseVeryNegativeDecay, Fp32WithinBound) {
 
 INSTANTIATE_TEST_SUITE_P(Numerics, SparseVeryNegativeDecay, ::testing::Values(Path::kFused, Path::kStaged),
                          [](const auto& info) { return std::string(path_name(info.param)); });
+
+// A decay of exactly zero written as g = -inf (a hard reset), or as a huge finite -1e20: both are
+// e^g = 0, so they must match the oracle like g = -1000 does. Unclamped, -inf made the prefix-sum
+// differences NaN and -1e20 swamped the later tokens' sums.
+class InfiniteDecay : public ::testing::TestWithParam<std::tuple<Path, double>> {};
+
+TEST_P(InfiniteDecay, MatchesOracle) {
+  const auto [path, value] = GetParam();
+  Case c;
+  c.T = 150, c.H = 1, c.HV = 2, c.K = 32, c.V = 32;
+  c.initial_state = true;
+  c.path = path;
+  Inputs in = make_inputs(c);
+  std::mt19937 rng(9);
+  for (std::int64_t i = 0; i < in.g.numel(); ++i)
+    if (rng() % 50 == 0) in.g.set(i, value);
+  const Outputs ref = run_forward(c, in, true);
+  const Outputs out = run_forward(c, in, false);
+  const Metric mo = compare(out.o, ref.o), mh = compare(out.ht, ref.ht);
+  EXPECT_TRUE(mo.finite && mo.rel <= 1e-5) << "o: " << mo.str();
+  EXPECT_TRUE(mh.finite && mh.rel <= 1e-5) << "final_state: " << mh.str();
+}
+
+INSTANTIATE_TEST_SUITE_P(Numerics, InfiniteDecay,
+                         ::testing::Combine(::testing::Values(Path::kFused, Path::kStaged),
+                                            ::testing::Values(-std::numeric_limits<double>::infinity(), -1e20)),
+                         [](const auto& info) {
+                           return std::string(path_name(std::get<0>(info.param))) +
+                                  (std::isinf(std::get<1>(info.param)) ? "_minus_inf" : "_minus_1e20");
+                         });
 
 }  // namespace
 }  // namespace kda::test
