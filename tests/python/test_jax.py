@@ -247,7 +247,8 @@ def test_implementation_registries_and_unknown_names():
     tests run "xla_chunked" and expect ValueError("Unknown implementation"), older ones
     NotImplementedError("Only XLA"): one exception satisfies both."""
     assert "mosaic_tpu" not in kj.IMPLEMENTATIONS and kj.IMPLEMENTATIONS["xla"].vjp is not None
-    assert kj._DEFAULT_IMPLEMENTATIONS == ("xla",) and kj.kda._DEFAULT_IMPLEMENTATIONS == ("xla",)
+    assert kj.IMPLEMENTATIONS["pallas_tpu"].vjp is not None
+    assert kj._DEFAULT_IMPLEMENTATIONS == ("pallas_tpu", "xla") and kj.kda._DEFAULT_IMPLEMENTATIONS == ("xla",)
     assert set(kj.kda.IMPLEMENTATIONS) == {"xla", "xla_chunked"} and "mosaic_tpu" not in kj.kda.IMPLEMENTATIONS
     x, _, _ = _small(21, B=1, T=9)
     q, k, v, g = (np.moveaxis(np.asarray(x[n], np.float32), 0, 2) for n in ("query", "key", "value", "gate"))

@@ -1,0 +1,900 @@
+"""Tokamax's public KDA test cases, ported onto libkda.jax.
+
+Every test here is named after the Tokamax test it ports (the class says which file). Sources
+(github.com/openxla/tokamax; several versions of each file were read, commits named below):
+
+- tokamax/_src/ops/experimental/kda/api_test.py (29fa18c4, 974f1ad0 and an older version that
+  had ``test_pallas_tpu_registered_and_falls_back_to_xla``) -- ``TestExperimentalApiTest``. The
+  older base_test.py (0f143420) holds the same tests with the same bodies; they are ported once.
+- tokamax/_src/ops/experimental/kda/base_test.py (84c7a4fc, bf5fb0db: ``a_log``,
+  ``delta_time_bias``, ``max_num_segments`` names) -- ``TestExperimentalBaseTest``.
+- tokamax/_src/ops/experimental/kda/xla_chunked_test.py (cbfc557f, 15c9964d) --
+  ``TestXlaChunkedKimiDeltaAttentionTest``.
+- tokamax/_src/ops/kda/api_test.py, the batch-first API (8fcb8ff5 and a later version with the
+  ``xla_chunked`` tests) -- ``TestBatchFirstApiTest``, on ``libkda.jax.kda.kimi_delta_attention``.
+
+Mapping: ``api.kimi_delta_attention`` -> ``libkda.jax.kimi_delta_attention`` (head-first) or
+``libkda.jax.kda.kimi_delta_attention`` (batch-first), same keyword names; ``api.IMPLEMENTATIONS``
+/ ``api._DEFAULT_IMPLEMENTATIONS`` -> ``libkda.jax.IMPLEMENTATIONS`` / ``_DEFAULT_IMPLEMENTATIONS``;
+``chex.assert_trees_all_close(a, b, atol, rtol)`` -> ``numpy.testing.assert_allclose`` leaf by
+leaf with the same atol / rtol (chex's defaults rtol=1e-6, atol=0 where the test gives none);
+``self.assertRaisesRegex`` -> ``pytest.raises(match=...)``; ``jaxtyping.disable_jaxtyping()``
+(Tokamax-private) is dropped: libkda validates shapes itself. ``numerics.random_initialize``
+(Tokamax-private) is re-implemented below in both of its public versions (the current numpy
+``default_rng(seed)`` one and the older ``jax.random`` one, PRNGKey(seed) split per leaf); the
+tests that draw inputs from it run once per version. Tokamax's ``CPContext`` /
+``ContextParallelMetadata`` (a frozen dataclass of ``mesh`` and ``axis_name``) are replaced by
+the same-shaped stand-in ``_ContextParallelMetadata``.
+
+References: where Tokamax compares against its pure-JAX reference (``_reference_kda`` in the
+tests, reference.py behind ``implementation="xla"``), ``_reference_kda`` below is an equivalent
+token-by-token recurrence (``lax.scan`` over time, vectorized over heads and batch) run in float64
+(``jax.enable_x64``): head-first ``[H, B, T, K]``, per-segment state slots ``[B, N, H, K, V]``
+with segment id 0 = padding (no update, output 0), the in-kernel gate
+``-exp(a_log) * softplus(g + bias)`` or ``lower_bound * sigmoid(exp(a_log) * (g + bias))``,
+``x * rsqrt(sum(x^2) + 1e-6)`` for use_qk_l2norm, scale ``K ** -0.5`` by default. Where Tokamax
+compares one implementation name with ``"xla"`` (both libkda's kernels here) the test keeps that
+comparison and also compares with the float64 reference, at the same tolerances.
+
+Not ported (Tokamax-private modules, nothing of the public API to call):
+``test_accumulator_dtype_uses_float32_as_floor`` (reference._accumulator_dtype),
+``test_pallas_tpu_rejects_*_before_kernel`` (pallas_tpu.check_inputs_support),
+``test_default_execution_config`` and ``test_rejects_unsupported_gate_config``
+(xla_chunked.XlaChunkedKimiDeltaAttention / xla_chunked._check_supported).
+``test_xla_chunked_gradients_match_xla`` constructs the private
+``xla_chunked.XlaChunkedKimiDeltaAttention(chunk_size=8)``; it is ported with the public
+``implementation="xla_chunked"`` instead (the batch-first API has no chunk_size).
+
+Conflicts between Tokamax versions follow the newer version (each says so in a comment):
+``test_unsupported_implementation`` (older: "xla_chunked" is unknown; newer: "unknown" is, and
+xla_chunked_test.py runs "xla_chunked"), ``IMPLEMENTATIONS["pallas_tpu"].vjp`` (older: None;
+newer: not None), ``test_fixed_forward_matches_recurrence`` (older: gate in kernel only; newer:
+both gate forms).
+"""
+
+import dataclasses
+import functools
+import inspect
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed (pip install jax)")
+kj = pytest.importorskip("libkda.jax", reason="libkda.jax could not be imported")
+import jax.numpy as jnp  # noqa: E402
+
+kda_api = kj.kda  # Tokamax's batch-first tokamax/_src/ops/kda/api.py
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: chex's assert_trees_all_close, Tokamax's numerics.random_initialize, CP metadata.
+# ---------------------------------------------------------------------------------------------
+
+def _assert_trees_all_close(actual, desired, atol=0.0, rtol=1e-6):
+    """chex.assert_trees_all_close(actual, desired, atol=, rtol=) (chex's defaults): same tree
+    structure, then numpy.testing.assert_allclose leaf by leaf (compared in float64)."""
+    sa, sd = jax.tree.structure(actual), jax.tree.structure(desired)
+    assert sa == sd, f"tree structures differ: {sa} vs {sd}"
+    for i, (a, d) in enumerate(zip(jax.tree.leaves(actual), jax.tree.leaves(desired))):
+        a = np.asarray(a).astype(np.float64)
+        d = np.asarray(d).astype(np.float64)
+        assert a.shape == d.shape, f"leaf {i}: shape {a.shape} != {d.shape}"
+        np.testing.assert_allclose(a, d, atol=atol, rtol=rtol, err_msg=f"leaf {i}")
+
+
+INIT_SCHEMES = ("numpy", "jax_random")
+
+
+def _random_initialize(structs, seed=0, scheme="numpy"):
+    """tokamax._src.numerics.random_initialize for a tuple of float ShapeDtypeStructs.
+    "numpy": the current version (np.random.default_rng(seed), standard_normal in
+    promote_types(dtype, float32), cast to dtype). "jax_random": the older version
+    (jax.random.PRNGKey(seed), one split per leaf, jax.random.normal in dtype)."""
+    out = []
+    if scheme == "numpy":
+        rng = np.random.default_rng(seed)
+        for s in structs:
+            dtype = jnp.dtype(s.dtype)
+            dtype_ = jnp.promote_types(dtype, jnp.float32)
+            y = rng.standard_normal(size=s.shape, dtype=dtype_).astype(dtype)
+            out.append(jax.device_put(y))
+    else:
+        key = jax.random.PRNGKey(seed)
+        for s in structs:
+            curr_key, key = jax.random.split(key)
+            out.append(jax.random.normal(curr_key, s.shape, s.dtype))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ContextParallelMetadata:
+    """Stand-in for Tokamax's cp_utils.ContextParallelMetadata (older: CPContext): a frozen
+    dataclass of the mesh and its context axis name, with the same ``cp_size`` /
+    ``is_cp_enabled`` properties."""
+
+    mesh: object
+    axis_name: str = "context"
+
+    @property
+    def cp_size(self):
+        return int(self.mesh.shape[self.axis_name])
+
+    @property
+    def is_cp_enabled(self):
+        return self.cp_size > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: Tokamax's token-by-token recurrence, in float64.
+# ---------------------------------------------------------------------------------------------
+
+def _x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # older jax
+    return enable_x64()
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm", "use_gate_in_kernel",
+                                             "lower_bound", "num_states"))
+def _reference_core(q, k, v, g, beta, a_log, delta_time_bias, initial_state, segment_ids, *, scale,
+                    output_final_state, use_qk_l2norm, use_gate_in_kernel, lower_bound, num_states):
+    heads, batch, seq_len, key_dim = q.shape
+    value_dim = v.shape[-1]
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    if scale is None:
+        scale = key_dim ** -0.5
+    if use_gate_in_kernel:
+        g_f = g.astype(acc)
+        if delta_time_bias is not None:
+            g_f = g_f + delta_time_bias.astype(acc).reshape(heads, 1, 1, key_dim)
+        A = jnp.exp(a_log.astype(acc)).reshape(heads, 1, 1, 1)
+        g = -A * jax.nn.softplus(g_f) if lower_bound is None else lower_bound * jax.nn.sigmoid(A * g_f)
+    q_h, k_h = q.astype(acc), k.astype(acc)
+    if use_qk_l2norm:
+        q_h = q_h * jax.lax.rsqrt(jnp.sum(q_h * q_h, axis=-1, keepdims=True) + 1e-6)
+        k_h = k_h * jax.lax.rsqrt(jnp.sum(k_h * k_h, axis=-1, keepdims=True) + 1e-6)
+    q_h = q_h * scale
+    v_h, g_h, beta_h = v.astype(acc), g.astype(acc), beta.astype(acc)
+    states = jnp.zeros((batch, num_states, heads, key_dim, value_dim), acc)
+    if initial_state is not None:
+        states = states + initial_state.astype(acc)
+    seg = jnp.ones((batch, seq_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    rows = jnp.arange(batch)
+    bh = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731  [H, B, ...] -> [B, H, ...]
+
+    def step(states, t):
+        sid = seg[:, t]
+        idx = jnp.clip(sid - 1, 0, num_states - 1)
+        valid = (sid > 0) & (sid <= num_states)  # [B]
+        previous = states[rows, idx]  # [B, H, K, V]
+        state = previous * jnp.exp(bh(g_h[:, :, t]))[..., None]
+        kt = bh(k_h[:, :, t])
+        residual = bh(v_h[:, :, t]) - jnp.einsum("bhk,bhkv->bhv", kt, state)
+        new_state = state + (bh(beta_h[:, :, t])[..., None] * kt)[..., None] * residual[..., None, :]
+        out = jnp.einsum("bhk,bhkv->bhv", bh(q_h[:, :, t]), new_state)
+        out = jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+        states = states.at[rows, idx].set(jnp.where(valid[:, None, None, None], new_state, previous))
+        return states, out  # out [B, H, V]
+
+    states, outs = jax.lax.scan(step, states, jnp.arange(seq_len))  # outs [T, B, H, V]
+    output = jnp.transpose(outs, (2, 1, 0, 3))
+    return output, (states if output_final_state else None)
+
+
+def _reference_kda(q, k, v, g, beta, *, a_log=None, delta_time_bias=None, scale=None, initial_state=None,
+                   output_final_state=False, use_qk_l2norm=False, use_gate_in_kernel=False, segment_ids=None,
+                   lower_bound=None, max_num_segments=None):
+    """Tokamax's reference KDA, head-first, in the inputs' precision (float32 floor); pure JAX, so
+    differentiable. The state count is initial_state's N, else max_num_segments with segment_ids
+    (Tokamax's test reference hard-codes 3 there), else 1. Returns (output [H, B, T, V] in the
+    accumulation dtype, final_state [B, N, H, K, V] or None)."""
+    if initial_state is not None:
+        num_states = initial_state.shape[1]
+    elif segment_ids is not None:
+        num_states = 3 if max_num_segments is None else int(max_num_segments)
+    else:
+        num_states = 1
+    if not use_gate_in_kernel:
+        a_log = delta_time_bias = lower_bound = None
+    return _reference_core(q, k, v, g, beta, a_log, delta_time_bias, initial_state, segment_ids,
+                           scale=scale, output_final_state=bool(output_final_state),
+                           use_qk_l2norm=bool(use_qk_l2norm), use_gate_in_kernel=bool(use_gate_in_kernel),
+                           lower_bound=lower_bound, num_states=num_states)
+
+
+def _f64(x):
+    if x is None:
+        return None
+    a = np.asarray(x)
+    if np.issubdtype(a.dtype, np.integer):
+        return jnp.asarray(a)
+    return jnp.asarray(a.astype(np.float64))
+
+
+def _run_reference(q, k, v, g, beta, **kw):
+    """_reference_kda in float64; the output is cast to q's dtype as Tokamax's reference does
+    (``output.astype(q.dtype)``). Returns numpy (output, final_state or None)."""
+    out_dtype = np.asarray(q).dtype
+    with _x64():
+        args = [_f64(x) for x in (q, k, v, g, beta)]
+        kw = {n: (_f64(x) if n in ("a_log", "delta_time_bias", "initial_state", "segment_ids") else x)
+              for n, x in kw.items()}
+        out, fs = _reference_kda(*args, **kw)
+        out = np.asarray(out).astype(out_dtype)
+        fs = None if fs is None else np.asarray(fs)
+    return out, fs
+
+
+def _reference_grad(fn, args, argnums):
+    """jax.grad(fn, argnums)(*args) with args promoted to float64 (fn calls _reference_kda)."""
+    with _x64():
+        grads = jax.grad(fn, argnums=argnums)(*[_f64(a) if not isinstance(a, str) else a for a in args])
+        return jax.tree.map(lambda x: np.asarray(x, np.float64), grads)
+
+
+def _reference_batch_first(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
+    """Tokamax's batch-first reference (tokamax/_src/ops/kda/api_test.py): q [B, T, H, K], state
+    [B, H, K, V]; the head-first recurrence on transposed operands."""
+    hf = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
+    o, fs = _reference_kda(hf(q), hf(k), hf(v), hf(g), hf(beta), scale=scale,
+                           initial_state=None if initial_state is None else initial_state[:, None],
+                           output_final_state=output_final_state)
+    return jnp.moveaxis(o, 0, 2), (None if fs is None else fs[:, 0])
+
+
+def _run_reference_batch_first(q, k, v, g, beta, **kw):
+    out_dtype = np.asarray(q).dtype
+    with _x64():
+        args = [_f64(x) for x in (q, k, v, g, beta)]
+        kw = {n: (_f64(x) if n == "initial_state" else x) for n, x in kw.items()}
+        out, fs = _reference_batch_first(*args, **kw)
+        return np.asarray(out).astype(out_dtype), (None if fs is None else np.asarray(fs))
+
+
+# ---------------------------------------------------------------------------------------------
+# tokamax/_src/ops/experimental/kda/api_test.py (and base_test.py @0f143420, the same bodies)
+# ---------------------------------------------------------------------------------------------
+
+def _make_inputs_api(dtype, scheme="numpy"):
+    """api_test.py's _make_inputs: H=3, B=2, T=7, K=8, V=5, initial_state [2, 1, 3, 8, 5]."""
+    structs = (
+        jax.ShapeDtypeStruct((3, 2, 7, 8), dtype),
+        jax.ShapeDtypeStruct((3, 2, 7, 8), dtype),
+        jax.ShapeDtypeStruct((3, 2, 7, 5), dtype),
+        jax.ShapeDtypeStruct((3, 2, 7, 8), dtype),
+        jax.ShapeDtypeStruct((3, 2, 7), dtype),
+        jax.ShapeDtypeStruct((2, 1, 3, 8, 5), jnp.float32),
+    )
+    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
+    q = jax.nn.silu(q)
+    k = jax.nn.silu(k)
+    g = -0.1 * jax.nn.softplus(g)
+    beta = jax.nn.sigmoid(beta)
+    return q, k, v, g, beta, initial_state
+
+
+@pytest.fixture(params=INIT_SCHEMES)
+def scheme(request):
+    """Which version of Tokamax's numerics.random_initialize draws the inputs."""
+    return request.param
+
+
+class TestExperimentalApiTest:
+    """tokamax/_src/ops/experimental/kda/api_test.py (KimiDeltaAttentionTest); base_test.py
+    @0f143420 has the same tests (older A_log / dt_bias / N_max / cp_context names)."""
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+    def test_kimi_delta_attention_matches_reference(self, dtype, scheme):
+        q, k, v, g, beta, initial_state = _make_inputs_api(dtype, scheme)
+
+        @jax.jit
+        def f(q, k, v, g, beta, initial_state):
+            return kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+
+        output, final_state = f(q, k, v, g, beta, initial_state)
+        ref_output, ref_final_state = _run_reference(q, k, v, g, beta, initial_state=initial_state,
+                                                     output_final_state=True)
+
+        assert output.shape == v.shape
+        assert output.dtype == q.dtype
+        assert final_state.shape == initial_state.shape
+        assert final_state.dtype == jnp.float32
+        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
+        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+
+    def test_kimi_delta_attention_gradients_match_reference(self, scheme):
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32, scheme)
+
+        def loss(fn, q, k, v, g, beta):
+            output, _ = fn(q, k, v, g, beta)
+            return jnp.sum(output * output)
+
+        grad = jax.grad(lambda q, k, v, g, beta: loss(kj.kimi_delta_attention, q, k, v, g, beta),
+                        argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+        ref_grad = _reference_grad(lambda q, k, v, g, beta: loss(_reference_kda, q, k, v, g, beta),
+                                   (q, k, v, g, beta), argnums=(0, 1, 2, 3, 4))
+
+        _assert_trees_all_close(grad, ref_grad, atol=0.01, rtol=0.01)
+
+    def test_varlen_gate_l2norm_matches_reference(self, scheme):
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32, scheme)
+        segment_ids = jnp.array([[1, 1, 2, 2, 2, 0, 0], [1, 2, 2, 3, 3, 3, 0]], dtype=jnp.int32)
+        initial_state = jnp.zeros((2, 3, 3, 8, 5), dtype=jnp.float32)
+        A_log = jnp.log(jnp.array([1.0, 1.5, 2.0], dtype=jnp.float32))
+        dt_bias = jnp.linspace(-0.2, 0.2, 3 * 8, dtype=jnp.float32)
+
+        # The older API's keyword names (A_log, dt_bias, use_qk_l2norm_in_kernel, safe_gate, N_max).
+        output, final_state = kj.kimi_delta_attention(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, output_final_state=True,
+            use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, segment_ids=segment_ids, safe_gate=False,
+            N_max=3, implementation="xla")
+        ref_output, ref_final_state = _run_reference(
+            q, k, v, g, beta, a_log=A_log, delta_time_bias=dt_bias, initial_state=initial_state,
+            output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm=True, segment_ids=segment_ids)
+
+        assert final_state.shape == initial_state.shape
+        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
+        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+
+    def test_pallas_tpu_registered_and_default_falls_back_to_xla(self):
+        q, k, v, g, beta, initial_state = _make_inputs_api(jnp.float32)
+        assert "pallas_tpu" in kj.IMPLEMENTATIONS
+        # Newer version (29fa18c4, which added pallas_tpu_bwd.py): the vjp is not None; the older
+        # 974f1ad0 asserted it was None.
+        assert kj.IMPLEMENTATIONS["pallas_tpu"].vjp is not None
+        assert kj._DEFAULT_IMPLEMENTATIONS == ("pallas_tpu", "xla")
+
+        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                      output_final_state=True)
+        ref_output, ref_final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                              output_final_state=True, implementation="xla")
+
+        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
+        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+
+    def test_pallas_tpu_registered_and_falls_back_to_xla(self):
+        """The oldest api_test version's name of the test above (explicit ("pallas_tpu", "xla"))."""
+        q, k, v, g, beta, initial_state = _make_inputs_api(jnp.float32)
+        assert "pallas_tpu" in kj.IMPLEMENTATIONS
+        # That version asserted `vjp is None`; the newer versions assert it is not None (followed).
+        assert kj.IMPLEMENTATIONS["pallas_tpu"].vjp is not None
+
+        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                      output_final_state=True, implementation=("pallas_tpu", "xla"))
+        ref_output, ref_final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                              output_final_state=True, implementation="xla")
+
+        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
+        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+
+    def test_pallas_tpu_alone_is_not_supported_in_cpu_test_shape(self):
+        """Deliberate deviation (docs/PYTHON.md): Tokamax's TPU kernel needs T to be a multiple of
+        64 and its test expects NotImplementedError for T = 7; libkda has no such limit, so
+        "pallas_tpu" runs and equals "xla" (both are libkda's kernels)."""
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32)
+        assert q.shape[2] % 64 != 0
+        out = kj.kimi_delta_attention(q, k, v, g, beta, implementation="pallas_tpu")
+        ref = kj.kimi_delta_attention(q, k, v, g, beta, implementation="xla")
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+        assert out[1] is None and ref[1] is None
+
+    def test_no_final_state_by_default(self):
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32)
+        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta)
+        assert output.shape == v.shape
+        assert final_state is None
+
+    def test_varlen_requires_n_max_without_initial_state(self):
+        shape = (1, 1, 65, 1)
+        q = k = v = beta_4d = jnp.ones(shape, dtype=jnp.float32)
+        g = jnp.zeros_like(q)
+        beta = beta_4d[..., 0]
+        segment_ids = jnp.concatenate([
+            jnp.ones((1, 20), dtype=jnp.int32),
+            jnp.full((1, 20), 2, dtype=jnp.int32),
+            jnp.full((1, 25), 3, dtype=jnp.int32),
+        ], axis=1)
+
+        with pytest.raises(ValueError, match="`N_max` is required"):
+            kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids, implementation="xla")
+
+    def test_n_max_must_match_initial_state_segment_dimension(self):
+        q, k, v, g, beta, initial_state = _make_inputs_api(jnp.float32)
+
+        with pytest.raises(ValueError, match="must match"):
+            kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, N_max=2, implementation="xla")
+
+    def test_padding_preserves_final_state(self):
+        q = k = v = jnp.ones((1, 1, 3, 1), dtype=jnp.float32)
+        g = jnp.full_like(q, jnp.log(0.5))
+        beta = jnp.ones((1, 1, 3), dtype=jnp.float32)
+        segment_ids = jnp.array([[1, 0, 0]], dtype=jnp.int32)
+
+        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids,
+                                                      output_final_state=True, N_max=1, implementation="xla")
+        _, unpadded_final_state = kj.kimi_delta_attention(
+            q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], segment_ids=segment_ids[:, :1],
+            output_final_state=True, N_max=1, implementation="xla")
+
+        _assert_trees_all_close(final_state, unpadded_final_state)
+        _assert_trees_all_close(output[:, :, 1:], jnp.zeros_like(output[:, :, 1:]))
+
+    def test_cp_context_does_not_break_public_op_metadata(self):
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32)
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("context",))
+
+        output, _ = kj.kimi_delta_attention(q, k, v, g, beta, cp_context=_ContextParallelMetadata(mesh=mesh),
+                                            implementation="xla")
+
+        assert output.shape == v.shape
+
+    def test_invalid_shape(self):
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32)
+        with pytest.raises(ValueError, match="`k` shape"):
+            kj.kimi_delta_attention(q, k[:, :, :-1], v, g, beta)
+
+    def test_unsupported_implementation(self):
+        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32)
+        # Conflict between versions: this file (and base_test.py up to 84c7a4fc) passed
+        # implementation="xla_chunked" as the unknown name; the newer base_test.py (bf5fb0db)
+        # passes "unknown", and xla_chunked_test.py runs "xla_chunked". The newer version wins.
+        with pytest.raises(ValueError, match="Unknown implementation"):
+            kj.kimi_delta_attention(q, k, v, g, beta, implementation="unknown")
+
+
+# ---------------------------------------------------------------------------------------------
+# tokamax/_src/ops/experimental/kda/base_test.py (84c7a4fc, bf5fb0db)
+# ---------------------------------------------------------------------------------------------
+
+def _l2_normalize(x):
+    x_f32 = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.sum(jnp.square(x_f32), axis=-1) + 1e-6)
+    return (x_f32 * rstd[..., None]).astype(x.dtype)
+
+
+def _make_inputs_base(dtype, *, heads=3, batch=2, seq_len=7, key_dim=8, value_dim=5, scheme="numpy"):
+    structs = (
+        jax.ShapeDtypeStruct((heads, batch, seq_len, key_dim), dtype),
+        jax.ShapeDtypeStruct((heads, batch, seq_len, key_dim), dtype),
+        jax.ShapeDtypeStruct((heads, batch, seq_len, value_dim), dtype),
+        jax.ShapeDtypeStruct((heads, batch, seq_len, key_dim), dtype),
+        jax.ShapeDtypeStruct((heads, batch, seq_len), dtype),
+        jax.ShapeDtypeStruct((batch, 1, heads, key_dim, value_dim), jnp.float32),
+    )
+    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
+    q = jax.nn.silu(q)
+    k = jax.nn.silu(k)
+    g = -0.1 * jax.nn.softplus(g)
+    beta = jax.nn.sigmoid(beta)
+    return q, k, v, g, beta, initial_state
+
+
+class TestExperimentalBaseTest:
+    """tokamax/_src/ops/experimental/kda/base_test.py (KimiDeltaAttentionTest), the versions with
+    the descriptive names (a_log, delta_time_bias, use_qk_l2norm, max_num_segments,
+    context_parallel_metadata)."""
+
+    def test_chunk_size_is_not_public(self):
+        assert "chunk_size" not in inspect.signature(kj.kimi_delta_attention).parameters
+
+    def test_public_api_uses_descriptive_names(self):
+        parameters = inspect.signature(kj.kimi_delta_attention).parameters
+        for name in ("delta_time_bias", "use_qk_l2norm", "context_parallel_metadata"):
+            assert name in parameters, name
+        for name in ("dt_bias", "use_qk_l2norm_in_kernel", "cp_context", "safe_gate", "disable_recompute"):
+            assert name not in parameters, name
+
+    @pytest.mark.parametrize(
+        "dtype, use_qk_l2norm, use_gate_in_kernel, variable_length",
+        [
+            (jnp.bfloat16, False, False, False),
+            (jnp.float32, False, False, False),
+            (jnp.float32, True, False, False),
+            (jnp.float32, False, True, False),
+            (jnp.float32, True, True, True),
+        ],
+        ids=["bfloat16", "float32", "qk_l2norm", "raw_gate", "varlen_gate_l2norm"],
+    )
+    def test_default_implementation_matches_xla(self, dtype, use_qk_l2norm, use_gate_in_kernel, variable_length,
+                                                 scheme):
+        if variable_length:
+            q, k, v, g, beta, _ = _make_inputs_base(dtype, heads=2, batch=2, key_dim=64, value_dim=64, scheme=scheme)
+            segment_ids = jnp.array([[1, 1, 2, 2, 2, 0, 0], [1, 2, 2, 3, 3, 3, 0]], dtype=jnp.int32)
+            initial_state = jnp.zeros((2, 3, 2, 64, 64), dtype=jnp.float32)
+            max_num_segments = 3
+        else:
+            q, k, v, g, beta, initial_state = _make_inputs_base(dtype, heads=2, batch=1, seq_len=64, key_dim=64,
+                                                                value_dim=64, scheme=scheme)
+            segment_ids = None
+            max_num_segments = None
+
+        if not use_qk_l2norm:
+            q = _l2_normalize(q)
+            k = _l2_normalize(k)
+        initial_state = 0.1 * initial_state
+
+        heads, _, _, key_dim = q.shape
+        if use_gate_in_kernel:
+            a_log = jnp.log(jnp.linspace(1.0, 2.0, heads, dtype=jnp.float32))
+            delta_time_bias = jnp.linspace(-0.2, 0.2, heads * key_dim, dtype=jnp.float32)
+        else:
+            a_log = delta_time_bias = None
+
+        def call(implementation):
+            @jax.jit
+            def f(q, k, v, g, beta, initial_state, a_log, delta_time_bias, segment_ids):
+                return kj.kimi_delta_attention(
+                    q, k, v, g, beta, a_log=a_log, delta_time_bias=delta_time_bias, initial_state=initial_state,
+                    output_final_state=True, use_qk_l2norm=use_qk_l2norm, use_gate_in_kernel=use_gate_in_kernel,
+                    segment_ids=segment_ids, max_num_segments=max_num_segments, implementation=implementation)
+
+            return f(q, k, v, g, beta, initial_state, a_log, delta_time_bias, segment_ids)
+
+        actual = call(None)
+        expected = call("xla")
+        _assert_trees_all_close(actual, expected, atol=0.05, rtol=0.05)
+        # Tokamax's "xla" is its reference recurrence: the same check against the float64 one.
+        reference = _run_reference(q, k, v, g, beta, a_log=a_log, delta_time_bias=delta_time_bias,
+                                   initial_state=initial_state, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+                                   use_gate_in_kernel=use_gate_in_kernel, segment_ids=segment_ids,
+                                   max_num_segments=max_num_segments)
+        _assert_trees_all_close(actual, reference, atol=0.05, rtol=0.05)
+
+    def test_mosaic_registered(self):
+        if "mosaic_tpu" not in kj.IMPLEMENTATIONS:
+            pytest.skip("mosaic_tpu implementation is not registered.")  # as Tokamax's test does
+        assert "mosaic_tpu" in kj.IMPLEMENTATIONS
+        assert kj.IMPLEMENTATIONS["mosaic_tpu"].vjp is not None
+        assert kj._DEFAULT_IMPLEMENTATIONS == ("mosaic", "xla")
+
+    def test_no_final_state_by_default(self):
+        q, k, v, g, beta, _ = _make_inputs_base(jnp.float32)
+        output, final_state = kj.kimi_delta_attention(query=q, key=k, value=v, gate=g, beta=beta)
+        assert output.shape == v.shape
+        assert final_state is None
+
+    @pytest.mark.parametrize("implementation", ["xla", "mosaic"])
+    def test_varlen_requires_max_num_segments_without_initial_state(self, implementation):
+        if implementation == "mosaic" and "mosaic_tpu" not in kj.IMPLEMENTATIONS:
+            pytest.skip("mosaic_tpu implementation is not registered.")  # as Tokamax's test does
+        shape = (1, 1, 65, 1)
+        q = k = v = beta_4d = jnp.ones(shape, dtype=jnp.float32)
+        g = jnp.zeros_like(q)
+        beta = beta_4d[..., 0]
+        segment_ids = jnp.concatenate([
+            jnp.ones((1, 20), dtype=jnp.int32),
+            jnp.full((1, 20), 2, dtype=jnp.int32),
+            jnp.full((1, 25), 3, dtype=jnp.int32),
+        ], axis=1)
+
+        with pytest.raises(ValueError, match="`max_num_segments` is required"):
+            kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids, implementation=implementation)
+
+    def test_max_num_segments_must_match_initial_state_segment_dimension(self):
+        q, k, v, g, beta, initial_state = _make_inputs_base(jnp.float32)
+
+        with pytest.raises(ValueError, match="must match"):
+            kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, max_num_segments=2,
+                                    implementation="xla")
+
+    def test_padding_preserves_final_state(self):
+        q = k = v = jnp.ones((1, 1, 3, 1), dtype=jnp.float32)
+        g = jnp.full_like(q, jnp.log(0.5))
+        beta = jnp.ones((1, 1, 3), dtype=jnp.float32)
+        segment_ids = jnp.array([[1, 0, 0]], dtype=jnp.int32)
+
+        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids,
+                                                      output_final_state=True, max_num_segments=1,
+                                                      implementation="xla")
+        _, unpadded_final_state = kj.kimi_delta_attention(
+            q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], segment_ids=segment_ids[:, :1],
+            output_final_state=True, max_num_segments=1, implementation="xla")
+
+        _assert_trees_all_close(final_state, unpadded_final_state)
+        _assert_trees_all_close(output[:, :, 1:], jnp.zeros_like(output[:, :, 1:]))
+
+    def test_context_parallel_metadata_does_not_break_public_op_metadata(self):
+        q, k, v, g, beta, _ = _make_inputs_base(jnp.float32)
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("context",))
+
+        output, _ = kj.kimi_delta_attention(q, k, v, g, beta,
+                                            context_parallel_metadata=_ContextParallelMetadata(mesh=mesh),
+                                            implementation="xla")
+
+        assert output.shape == v.shape
+
+    def test_bind_uses_jaxtyping_validation(self):
+        jt = pytest.importorskip("jaxtyping", reason="jaxtyping is not installed (Tokamax's test imports it)")
+        q, k, v, g, beta, initial_state = _make_inputs_base(jnp.float32)
+        implementation = kj.IMPLEMENTATIONS["xla"]
+
+        with pytest.raises(jt.TypeCheckError):
+            implementation.bind(q[:, :, 0], k, v, g, beta)
+
+        mismatched_inputs = (
+            ("key", (q, k[..., :-1], v, g, beta)),
+            ("value", (q, k, v[:, :-1], g, beta)),
+            ("gate", (q, k, v, g[:, :, :-1], beta)),
+            ("beta", (q, k, v, g, beta[..., :-1])),
+        )
+        for name, inputs in mismatched_inputs:
+            with pytest.raises(jt.TypeCheckError):
+                implementation.bind(*inputs)
+
+        with pytest.raises(jt.TypeCheckError):  # subTest "initial_state"
+            implementation.bind(q, k, v, g, beta, initial_state=initial_state[:, :, :, :-1])
+
+        with pytest.raises(jt.TypeCheckError):  # subTest "segment_ids"
+            implementation.bind(q, k, v, g, beta, segment_ids=jnp.ones((q.shape[1], q.shape[2] + 1), jnp.int32),
+                                max_num_segments=1)
+
+    def test_unsupported_implementation(self):
+        q, k, v, g, beta, _ = _make_inputs_base(jnp.float32)
+        # bf5fb0db (newer): "unknown". 84c7a4fc (older) used "xla_chunked", which the newer
+        # xla_chunked_test.py runs as an implementation; the newer version is followed.
+        with pytest.raises(ValueError, match="Unknown implementation"):
+            kj.kimi_delta_attention(q, k, v, g, beta, implementation="unknown")
+
+
+# ---------------------------------------------------------------------------------------------
+# tokamax/_src/ops/experimental/kda/xla_chunked_test.py (cbfc557f, 15c9964d)
+# ---------------------------------------------------------------------------------------------
+
+def _make_inputs_chunked(*, heads=2, batch=1, seq_len=64, key_dim=8, value_dim=6):
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    q = 0.1 * jax.random.normal(keys[0], (heads, batch, seq_len, key_dim))
+    k = 0.1 * jax.random.normal(keys[1], q.shape)
+    v = 0.1 * jax.random.normal(keys[2], (heads, batch, seq_len, value_dim))
+    raw_gate = 0.1 * jax.random.normal(keys[3], q.shape)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (heads, batch, seq_len)))
+    initial_state = 0.01 * jax.random.normal(keys[5], (batch, 1, heads, key_dim, value_dim))
+    return q, k, v, raw_gate, beta, initial_state
+
+
+def _call_chunked(implementation, q, k, v, gate, beta, initial_state, *, use_gate_in_kernel, segment_ids=None,
+                  max_num_segments=None, fn=None):
+    """xla_chunked_test.py's _call; fn=None calls libkda.jax.kimi_delta_attention, fn=
+    _run_reference the float64 reference with the same arguments."""
+    a_log = None
+    delta_time_bias = None
+    if use_gate_in_kernel:
+        a_log = jnp.log(jnp.linspace(1.0, 1.5, q.shape[0]))
+        delta_time_bias = jnp.linspace(-0.2, 0.2, q.shape[0] * q.shape[-1])
+    else:
+        gate = -0.05 * jax.nn.softplus(gate)
+    kwargs = dict(a_log=a_log, delta_time_bias=delta_time_bias, initial_state=initial_state, output_final_state=True,
+                  use_gate_in_kernel=use_gate_in_kernel, segment_ids=segment_ids,
+                  lower_bound=-5.0 if use_gate_in_kernel else None, max_num_segments=max_num_segments)
+    if fn is not None:
+        return fn(q, k, v, gate, beta, **kwargs)
+    return kj.kimi_delta_attention(q, k, v, gate, beta, implementation=implementation, **kwargs)
+
+
+def _packed_segment_ids():
+    return jnp.concatenate([
+        jnp.ones((1, 17), dtype=jnp.int32),
+        jnp.full((1, 40), 2, dtype=jnp.int32),
+        jnp.zeros((1, 7), dtype=jnp.int32),
+    ], axis=1)
+
+
+class TestXlaChunkedKimiDeltaAttentionTest:
+    """tokamax/_src/ops/experimental/kda/xla_chunked_test.py (XlaChunkedKimiDeltaAttentionTest).
+    Tokamax compares "xla_chunked" with "xla" (its reference recurrence); here both names run
+    libkda's kernels, so each test also compares with the float64 reference."""
+
+    # cbfc557f (newer) parameterizes over use_gate_in_kernel; 15c9964d ran True only (and
+    # rejected the pre-activated gate in xla_chunked). The newer version is followed.
+    @pytest.mark.parametrize("use_gate_in_kernel", [False, True])
+    def test_fixed_forward_matches_recurrence(self, use_gate_in_kernel):
+        args = _make_inputs_chunked()
+        expected = _call_chunked("xla", *args, use_gate_in_kernel=use_gate_in_kernel)
+        actual = _call_chunked("xla_chunked", *args, use_gate_in_kernel=use_gate_in_kernel)
+
+        _assert_trees_all_close(actual, expected, atol=2e-4, rtol=2e-4)
+        reference = _call_chunked(None, *args, use_gate_in_kernel=use_gate_in_kernel, fn=_run_reference)
+        _assert_trees_all_close(actual, reference, atol=2e-4, rtol=2e-4)
+
+    def test_unsupported_gate_config_falls_back_to_xla(self):
+        args = _make_inputs_chunked()
+        expected = _call_chunked("xla", *args, use_gate_in_kernel=False)
+        actual = _call_chunked(("xla_chunked", "xla"), *args, use_gate_in_kernel=False)
+
+        _assert_trees_all_close(actual, expected, atol=2e-4, rtol=2e-4)
+        reference = _call_chunked(None, *args, use_gate_in_kernel=False, fn=_run_reference)
+        _assert_trees_all_close(actual, reference, atol=2e-4, rtol=2e-4)
+
+    def test_packed_forward_matches_recurrence(self):
+        q, k, v, gate, beta, _ = _make_inputs_chunked()
+        segment_ids = _packed_segment_ids()
+        initial_state = jnp.zeros((1, 2, q.shape[0], q.shape[-1], v.shape[-1]), dtype=jnp.float32)
+
+        expected = _call_chunked("xla", q, k, v, gate, beta, initial_state, use_gate_in_kernel=True,
+                                 segment_ids=segment_ids, max_num_segments=2)
+        actual = _call_chunked("xla_chunked", q, k, v, gate, beta, initial_state, use_gate_in_kernel=True,
+                               segment_ids=segment_ids, max_num_segments=2)
+
+        _assert_trees_all_close(actual, expected, atol=3e-4, rtol=3e-4)
+        reference = _call_chunked(None, q, k, v, gate, beta, initial_state, use_gate_in_kernel=True,
+                                  segment_ids=segment_ids, max_num_segments=2, fn=_run_reference)
+        _assert_trees_all_close(actual, reference, atol=3e-4, rtol=3e-4)
+
+    def test_vjp_matches_recurrence(self):
+        q, k, v, gate, beta, initial_state = _make_inputs_chunked(heads=1, key_dim=4, value_dim=3)
+        a_log = jnp.zeros((1,), dtype=jnp.float32)
+        delta_time_bias = jnp.zeros((4,), dtype=jnp.float32)
+
+        def loss(implementation, q, k, v, gate, beta, a_log, bias, state):
+            fn = _reference_kda if implementation == "reference" else functools.partial(
+                kj.kimi_delta_attention, implementation=implementation)
+            output, final_state = fn(q, k, v, gate, beta, a_log=a_log, delta_time_bias=bias, initial_state=state,
+                                     output_final_state=True, use_gate_in_kernel=True, lower_bound=-5.0)
+            assert final_state is not None
+            # Tokamax sums output.astype(float32); the float64 reference keeps float64.
+            acc = output.dtype if implementation == "reference" else jnp.float32
+            return jnp.sum(output.astype(acc)) + 0.1 * jnp.sum(final_state)
+
+        argnums = tuple(range(1, 9))
+        args = (q, k, v, gate, beta, a_log, delta_time_bias, initial_state)
+        expected = jax.grad(loss, argnums=argnums)("xla", *args)
+        actual = jax.grad(loss, argnums=argnums)("xla_chunked", *args)
+
+        _assert_trees_all_close(actual, expected, atol=1e-3, rtol=1e-3)
+        reference = _reference_grad(functools.partial(loss, "reference"), args, argnums=tuple(range(8)))
+        _assert_trees_all_close(actual, reference, atol=1e-3, rtol=1e-3)
+
+    def test_packed_vjp_without_final_state_matches_recurrence(self):
+        q, k, v, gate, beta, _ = _make_inputs_chunked(heads=1, key_dim=4, value_dim=3)
+        segment_ids = _packed_segment_ids()
+        a_log = jnp.zeros((1,), dtype=jnp.float32)
+        delta_time_bias = jnp.zeros((4,), dtype=jnp.float32)
+
+        def loss(implementation, q, k, v, gate, beta, a_log, bias):
+            fn = _reference_kda if implementation == "reference" else functools.partial(
+                kj.kimi_delta_attention, implementation=implementation)
+            output, final_state = fn(q, k, v, gate, beta, a_log=a_log, delta_time_bias=bias, output_final_state=False,
+                                     use_gate_in_kernel=True, segment_ids=segment_ids, lower_bound=-5.0,
+                                     max_num_segments=2)
+            assert final_state is None
+            acc = output.dtype if implementation == "reference" else jnp.float32  # as above
+            return jnp.sum(output.astype(acc))
+
+        argnums = tuple(range(1, 8))
+        args = (q, k, v, gate, beta, a_log, delta_time_bias)
+        expected = jax.grad(loss, argnums=argnums)("xla", *args)
+        actual = jax.grad(loss, argnums=argnums)("xla_chunked", *args)
+
+        _assert_trees_all_close(actual, expected, atol=2e-3, rtol=2e-3)
+        reference = _reference_grad(functools.partial(loss, "reference"), args, argnums=tuple(range(7)))
+        _assert_trees_all_close(actual, reference, atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokamax/_src/ops/kda/api_test.py (batch-first API: libkda.jax.kda.kimi_delta_attention)
+# ---------------------------------------------------------------------------------------------
+
+def _make_inputs_batch_first(dtype, scheme="numpy"):
+    structs = (
+        jax.ShapeDtypeStruct((2, 7, 3, 8), dtype),
+        jax.ShapeDtypeStruct((2, 7, 3, 8), dtype),
+        jax.ShapeDtypeStruct((2, 7, 3, 5), dtype),
+        jax.ShapeDtypeStruct((2, 7, 3, 8), dtype),
+        jax.ShapeDtypeStruct((2, 7, 3), dtype),
+        jax.ShapeDtypeStruct((2, 3, 8, 5), jnp.float32),
+    )
+    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
+    q = jax.nn.silu(q)
+    k = jax.nn.silu(k)
+    g = -0.1 * jax.nn.softplus(g)
+    beta = jax.nn.sigmoid(beta)
+    return q, k, v, g, beta, initial_state
+
+
+class TestBatchFirstApiTest:
+    """tokamax/_src/ops/kda/api_test.py (KimiDeltaAttentionTest): the batch-first API."""
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+    def test_kimi_delta_attention_matches_reference(self, dtype, scheme):
+        q, k, v, g, beta, initial_state = _make_inputs_batch_first(dtype, scheme)
+
+        @jax.jit
+        def f(q, k, v, g, beta, initial_state):
+            return kda_api.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                output_final_state=True)
+
+        output, final_state = f(q, k, v, g, beta, initial_state)
+        ref_output, ref_final_state = _run_reference_batch_first(q, k, v, g, beta, initial_state=initial_state,
+                                                                 output_final_state=True)
+
+        assert output.shape == v.shape
+        assert output.dtype == q.dtype
+        assert final_state.shape == initial_state.shape
+        assert final_state.dtype == jnp.float32
+        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
+        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+
+    def test_kimi_delta_attention_gradients_match_reference(self, scheme):
+        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32, scheme)
+
+        def loss(fn, q, k, v, g, beta):
+            output, _ = fn(q, k, v, g, beta)
+            return jnp.sum(output * output)
+
+        grad = jax.grad(lambda q, k, v, g, beta: loss(kda_api.kimi_delta_attention, q, k, v, g, beta),
+                        argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+        ref_grad = _reference_grad(lambda q, k, v, g, beta: loss(_reference_batch_first, q, k, v, g, beta),
+                                   (q, k, v, g, beta), argnums=(0, 1, 2, 3, 4))
+
+        _assert_trees_all_close(grad, ref_grad, atol=0.01, rtol=0.01)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+    def test_xla_chunked_matches_xla(self, dtype, scheme):
+        q, k, v, g, beta, initial_state = _make_inputs_batch_first(dtype, scheme)
+        q = jnp.concatenate([q, q[:, :2]], axis=1)
+        k = jnp.concatenate([k, k[:, :2]], axis=1)
+        v = jnp.concatenate([v, v[:, :2]], axis=1)
+        g = jnp.concatenate([g, g[:, :2]], axis=1)
+        beta = jnp.concatenate([beta, beta[:, :2]], axis=1)
+
+        output, final_state = kda_api.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                           output_final_state=True, implementation="xla_chunked")
+        ref_output, ref_final_state = kda_api.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
+                                                                   output_final_state=True, implementation="xla")
+
+        _assert_trees_all_close(output, ref_output, atol=0.02, rtol=0.02)
+        _assert_trees_all_close(final_state, ref_final_state, atol=0.02, rtol=0.02)
+        # Tokamax's "xla" is its reference recurrence: the same check against the float64 one.
+        f64_output, f64_final_state = _run_reference_batch_first(q, k, v, g, beta, initial_state=initial_state,
+                                                                 output_final_state=True)
+        _assert_trees_all_close(output, f64_output, atol=0.02, rtol=0.02)
+        _assert_trees_all_close(final_state, f64_final_state, atol=0.02, rtol=0.02)
+
+    def test_xla_chunked_gradients_match_xla(self, scheme):
+        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32, scheme)
+        q = (jnp.tile(q, (1, 3, 1, 1))[:, :16]) * 0.25
+        k = (jnp.tile(k, (1, 3, 1, 1))[:, :16]) * 0.25
+        v = (jnp.tile(v, (1, 3, 1, 1))[:, :16]) * 0.25
+        g = (jnp.tile(g, (1, 3, 1, 1))[:, :16]) * 0.25
+        beta = (jnp.tile(beta, (1, 3, 1))[:, :16]) * 0.25
+        # Tokamax: xla_chunked.XlaChunkedKimiDeltaAttention(chunk_size=8), a private class; the
+        # public API's implementation="xla_chunked" stands in for it.
+        chunked = functools.partial(kda_api.kimi_delta_attention, implementation="xla_chunked")
+
+        def loss(fn, q, k, v, g, beta):
+            output, _ = fn(q, k, v, g, beta)
+            return jnp.mean(output * output)
+
+        grad = jax.grad(lambda q, k, v, g, beta: loss(chunked, q, k, v, g, beta),
+                        argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+        ref_grad = jax.grad(lambda q, k, v, g, beta: loss(kda_api.kimi_delta_attention, q, k, v, g, beta),
+                            argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+        _assert_trees_all_close(grad, ref_grad, atol=0.02, rtol=0.02)
+        f64_grad = _reference_grad(lambda q, k, v, g, beta: loss(_reference_batch_first, q, k, v, g, beta),
+                                   (q, k, v, g, beta), argnums=(0, 1, 2, 3, 4))
+        _assert_trees_all_close(grad, f64_grad, atol=0.02, rtol=0.02)
+
+    def test_no_final_state_by_default(self):
+        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32)
+        output, final_state = kda_api.kimi_delta_attention(q, k, v, g, beta)
+        assert output.shape == v.shape
+        assert final_state is None
+
+    def test_invalid_shape(self):
+        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32)
+        with pytest.raises(ValueError, match="`k` shape"):
+            kda_api.kimi_delta_attention(q, k[:, :-1], v, g, beta)
+
+    def test_unsupported_implementation(self):
+        """The later version (with the xla_chunked tests): ValueError("Unknown implementation")."""
+        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32)
+        with pytest.raises(ValueError, match="Unknown implementation"):
+            kda_api.kimi_delta_attention(q, k, v, g, beta, implementation="mosaic_tpu")
+
+    def test_unsupported_implementation_only_xla(self):
+        """The same test in the earlier version (8fcb8ff5): NotImplementedError("Only XLA ...").
+        Both versions' expectations can hold at once, so both are kept."""
+        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32)
+        with pytest.raises(NotImplementedError, match="Only XLA"):
+            kda_api.kimi_delta_attention(q, k, v, g, beta, implementation="mosaic_tpu")
