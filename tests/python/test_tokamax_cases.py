@@ -107,6 +107,7 @@ def _random_initialize(structs, seed=0, scheme="numpy"):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+
 class _ContextParallelMetadata:
     """Stand-in for Tokamax's cp_utils.ContextParallelMetadata (older: CPContext): a frozen
     dataclass of the mesh and its context axis name, with the same ``cp_size`` /
@@ -266,12 +267,7 @@ def _make_inputs_api(dtype, scheme="numpy"):
         jax.ShapeDtypeStruct((3, 2, 7), dtype),
         jax.ShapeDtypeStruct((2, 1, 3, 8, 5), jnp.float32),
     )
-    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
-    q = jax.nn.silu(q)
-    k = jax.nn.silu(k)
-    g = -0.1 * jax.nn.softplus(g)
-    beta = jax.nn.sigmoid(beta)
-    return q, k, v, g, beta, initial_state
+    return _activated_inputs(structs, scheme)
 
 
 @pytest.fixture(params=INIT_SCHEMES)
@@ -280,42 +276,77 @@ def scheme(request):
     return request.param
 
 
+
+def _check_matches_reference(kda_fn, run_reference, inputs):
+    """test_kimi_delta_attention_matches_reference of both Tokamax API files: jit'd forward with
+    an initial state, shapes and dtypes, then output and final state at atol = rtol = 0.01."""
+    q, k, v, g, beta, initial_state = inputs
+
+    @jax.jit
+    def f(q, k, v, g, beta, initial_state):
+        return kda_fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+
+    output, final_state = f(q, k, v, g, beta, initial_state)
+    ref_output, ref_final_state = run_reference(q, k, v, g, beta, initial_state=initial_state,
+                                                output_final_state=True)
+    assert output.shape == v.shape
+    assert output.dtype == q.dtype
+    assert final_state.shape == initial_state.shape
+    assert final_state.dtype == jnp.float32
+    _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
+    _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+
+
+def _check_gradients_match_reference(kda_fn, reference_fn, inputs):
+    """test_kimi_delta_attention_gradients_match_reference of both API files: jax.grad of
+    sum(o * o) w.r.t. q, k, v, g, beta at atol = rtol = 0.01."""
+    q, k, v, g, beta, _ = inputs
+
+    def loss(fn, q, k, v, g, beta):
+        output, _ = fn(q, k, v, g, beta)
+        return jnp.sum(output * output)
+
+    grad = jax.grad(lambda q, k, v, g, beta: loss(kda_fn, q, k, v, g, beta), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    ref_grad = _reference_grad(lambda q, k, v, g, beta: loss(reference_fn, q, k, v, g, beta), (q, k, v, g, beta),
+                               argnums=(0, 1, 2, 3, 4))
+    _assert_trees_all_close(grad, ref_grad, atol=0.01, rtol=0.01)
+
+
+def _three_segment_inputs():
+    """Both Tokamax versions' missing-N test: ones [1, 1, 65, 1], segments of 20, 20 and 25."""
+    q = k = v = beta_4d = jnp.ones((1, 1, 65, 1), dtype=jnp.float32)
+    segment_ids = jnp.concatenate([jnp.ones((1, 20), dtype=jnp.int32), jnp.full((1, 20), 2, dtype=jnp.int32),
+                                   jnp.full((1, 25), 3, dtype=jnp.int32)], axis=1)
+    return q, k, v, jnp.zeros_like(q), beta_4d[..., 0], segment_ids
+
+
+def _check_padding_preserves_final_state(**n_kwarg):
+    """test_padding_preserves_final_state of both versions (n_kwarg: N_max or max_num_segments):
+    trailing padding leaves the final state as the unpadded call's and outputs 0 there."""
+    q = k = v = jnp.ones((1, 1, 3, 1), dtype=jnp.float32)
+    g = jnp.full_like(q, jnp.log(0.5))
+    beta = jnp.ones((1, 1, 3), dtype=jnp.float32)
+    segment_ids = jnp.array([[1, 0, 0]], dtype=jnp.int32)
+    output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids, output_final_state=True,
+                                                  implementation="xla", **n_kwarg)
+    _, unpadded_final_state = kj.kimi_delta_attention(
+        q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], segment_ids=segment_ids[:, :1],
+        output_final_state=True, implementation="xla", **n_kwarg)
+    _assert_trees_all_close(final_state, unpadded_final_state)
+    _assert_trees_all_close(output[:, :, 1:], jnp.zeros_like(output[:, :, 1:]))
+
+
 class TestExperimentalApiTest:
     """tokamax/_src/ops/experimental/kda/api_test.py (KimiDeltaAttentionTest); base_test.py
     @0f143420 has the same tests (older A_log / dt_bias / N_max / cp_context names)."""
 
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
     def test_kimi_delta_attention_matches_reference(self, dtype, scheme):
-        q, k, v, g, beta, initial_state = _make_inputs_api(dtype, scheme)
-
-        @jax.jit
-        def f(q, k, v, g, beta, initial_state):
-            return kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
-
-        output, final_state = f(q, k, v, g, beta, initial_state)
-        ref_output, ref_final_state = _run_reference(q, k, v, g, beta, initial_state=initial_state,
-                                                     output_final_state=True)
-
-        assert output.shape == v.shape
-        assert output.dtype == q.dtype
-        assert final_state.shape == initial_state.shape
-        assert final_state.dtype == jnp.float32
-        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
-        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+        _check_matches_reference(kj.kimi_delta_attention, _run_reference, _make_inputs_api(dtype, scheme))
 
     def test_kimi_delta_attention_gradients_match_reference(self, scheme):
-        q, k, v, g, beta, _ = _make_inputs_api(jnp.float32, scheme)
-
-        def loss(fn, q, k, v, g, beta):
-            output, _ = fn(q, k, v, g, beta)
-            return jnp.sum(output * output)
-
-        grad = jax.grad(lambda q, k, v, g, beta: loss(kj.kimi_delta_attention, q, k, v, g, beta),
-                        argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-        ref_grad = _reference_grad(lambda q, k, v, g, beta: loss(_reference_kda, q, k, v, g, beta),
-                                   (q, k, v, g, beta), argnums=(0, 1, 2, 3, 4))
-
-        _assert_trees_all_close(grad, ref_grad, atol=0.01, rtol=0.01)
+        _check_gradients_match_reference(kj.kimi_delta_attention, _reference_kda,
+                                         _make_inputs_api(jnp.float32, scheme))
 
     def test_varlen_gate_l2norm_matches_reference(self, scheme):
         q, k, v, g, beta, _ = _make_inputs_api(jnp.float32, scheme)
@@ -337,31 +368,19 @@ class TestExperimentalApiTest:
         _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
         _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
 
-    def test_pallas_tpu_registered_and_default_falls_back_to_xla(self):
+    @pytest.mark.parametrize("implementation", [None, ("pallas_tpu", "xla")], ids=["default", "explicit"])
+    def test_pallas_tpu_registered_and_default_falls_back_to_xla(self, implementation):
+        """Also the oldest api_test's test_pallas_tpu_registered_and_falls_back_to_xla, which passed
+        ("pallas_tpu", "xla") explicitly (the "explicit" case)."""
         q, k, v, g, beta, initial_state = _make_inputs_api(jnp.float32)
         assert "pallas_tpu" in kj.IMPLEMENTATIONS
         # Newer version (29fa18c4, which added pallas_tpu_bwd.py): the vjp is not None; the older
-        # 974f1ad0 asserted it was None.
+        # 974f1ad0 and the oldest asserted it was None.
         assert kj.IMPLEMENTATIONS["pallas_tpu"].vjp is not None
         assert kj._DEFAULT_IMPLEMENTATIONS == ("pallas_tpu", "xla")
 
         output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
-                                                      output_final_state=True)
-        ref_output, ref_final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
-                                                              output_final_state=True, implementation="xla")
-
-        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
-        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
-
-    def test_pallas_tpu_registered_and_falls_back_to_xla(self):
-        """The oldest api_test version's name of the test above (explicit ("pallas_tpu", "xla"))."""
-        q, k, v, g, beta, initial_state = _make_inputs_api(jnp.float32)
-        assert "pallas_tpu" in kj.IMPLEMENTATIONS
-        # That version asserted `vjp is None`; the newer versions assert it is not None (followed).
-        assert kj.IMPLEMENTATIONS["pallas_tpu"].vjp is not None
-
-        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
-                                                      output_final_state=True, implementation=("pallas_tpu", "xla"))
+                                                      output_final_state=True, implementation=implementation)
         ref_output, ref_final_state = kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
                                                               output_final_state=True, implementation="xla")
 
@@ -386,16 +405,7 @@ class TestExperimentalApiTest:
         assert final_state is None
 
     def test_varlen_requires_n_max_without_initial_state(self):
-        shape = (1, 1, 65, 1)
-        q = k = v = beta_4d = jnp.ones(shape, dtype=jnp.float32)
-        g = jnp.zeros_like(q)
-        beta = beta_4d[..., 0]
-        segment_ids = jnp.concatenate([
-            jnp.ones((1, 20), dtype=jnp.int32),
-            jnp.full((1, 20), 2, dtype=jnp.int32),
-            jnp.full((1, 25), 3, dtype=jnp.int32),
-        ], axis=1)
-
+        q, k, v, g, beta, segment_ids = _three_segment_inputs()
         with pytest.raises(ValueError, match="`N_max` is required"):
             kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids, implementation="xla")
 
@@ -406,19 +416,7 @@ class TestExperimentalApiTest:
             kj.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, N_max=2, implementation="xla")
 
     def test_padding_preserves_final_state(self):
-        q = k = v = jnp.ones((1, 1, 3, 1), dtype=jnp.float32)
-        g = jnp.full_like(q, jnp.log(0.5))
-        beta = jnp.ones((1, 1, 3), dtype=jnp.float32)
-        segment_ids = jnp.array([[1, 0, 0]], dtype=jnp.int32)
-
-        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids,
-                                                      output_final_state=True, N_max=1, implementation="xla")
-        _, unpadded_final_state = kj.kimi_delta_attention(
-            q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], segment_ids=segment_ids[:, :1],
-            output_final_state=True, N_max=1, implementation="xla")
-
-        _assert_trees_all_close(final_state, unpadded_final_state)
-        _assert_trees_all_close(output[:, :, 1:], jnp.zeros_like(output[:, :, 1:]))
+        _check_padding_preserves_final_state(N_max=1)  # the older API's name
 
     def test_cp_context_does_not_break_public_op_metadata(self):
         q, k, v, g, beta, _ = _make_inputs_api(jnp.float32)
@@ -453,6 +451,13 @@ def _l2_normalize(x):
     return (x_f32 * rstd[..., None]).astype(x.dtype)
 
 
+def _activated_inputs(structs, scheme):
+    """Both _make_inputs of Tokamax's base_test and the batch-first api_test: random leaves, then
+    silu(q), silu(k), g = -0.1 softplus(g), sigmoid(beta)."""
+    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
+    return jax.nn.silu(q), jax.nn.silu(k), v, -0.1 * jax.nn.softplus(g), jax.nn.sigmoid(beta), initial_state
+
+
 def _make_inputs_base(dtype, *, heads=3, batch=2, seq_len=7, key_dim=8, value_dim=5, scheme="numpy"):
     structs = (
         jax.ShapeDtypeStruct((heads, batch, seq_len, key_dim), dtype),
@@ -462,12 +467,7 @@ def _make_inputs_base(dtype, *, heads=3, batch=2, seq_len=7, key_dim=8, value_di
         jax.ShapeDtypeStruct((heads, batch, seq_len), dtype),
         jax.ShapeDtypeStruct((batch, 1, heads, key_dim, value_dim), jnp.float32),
     )
-    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
-    q = jax.nn.silu(q)
-    k = jax.nn.silu(k)
-    g = -0.1 * jax.nn.softplus(g)
-    beta = jax.nn.sigmoid(beta)
-    return q, k, v, g, beta, initial_state
+    return _activated_inputs(structs, scheme)
 
 
 class TestExperimentalBaseTest:
@@ -558,16 +558,7 @@ class TestExperimentalBaseTest:
     def test_varlen_requires_max_num_segments_without_initial_state(self, implementation):
         if implementation == "mosaic" and "mosaic_tpu" not in kj.IMPLEMENTATIONS:
             pytest.skip("mosaic_tpu implementation is not registered.")  # as Tokamax's test does
-        shape = (1, 1, 65, 1)
-        q = k = v = beta_4d = jnp.ones(shape, dtype=jnp.float32)
-        g = jnp.zeros_like(q)
-        beta = beta_4d[..., 0]
-        segment_ids = jnp.concatenate([
-            jnp.ones((1, 20), dtype=jnp.int32),
-            jnp.full((1, 20), 2, dtype=jnp.int32),
-            jnp.full((1, 25), 3, dtype=jnp.int32),
-        ], axis=1)
-
+        q, k, v, g, beta, segment_ids = _three_segment_inputs()
         with pytest.raises(ValueError, match="`max_num_segments` is required"):
             kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids, implementation=implementation)
 
@@ -579,20 +570,7 @@ class TestExperimentalBaseTest:
                                     implementation="xla")
 
     def test_padding_preserves_final_state(self):
-        q = k = v = jnp.ones((1, 1, 3, 1), dtype=jnp.float32)
-        g = jnp.full_like(q, jnp.log(0.5))
-        beta = jnp.ones((1, 1, 3), dtype=jnp.float32)
-        segment_ids = jnp.array([[1, 0, 0]], dtype=jnp.int32)
-
-        output, final_state = kj.kimi_delta_attention(q, k, v, g, beta, segment_ids=segment_ids,
-                                                      output_final_state=True, max_num_segments=1,
-                                                      implementation="xla")
-        _, unpadded_final_state = kj.kimi_delta_attention(
-            q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], segment_ids=segment_ids[:, :1],
-            output_final_state=True, max_num_segments=1, implementation="xla")
-
-        _assert_trees_all_close(final_state, unpadded_final_state)
-        _assert_trees_all_close(output[:, :, 1:], jnp.zeros_like(output[:, :, 1:]))
+        _check_padding_preserves_final_state(max_num_segments=1)
 
     def test_context_parallel_metadata_does_not_break_public_op_metadata(self):
         q, k, v, g, beta, _ = _make_inputs_base(jnp.float32)
@@ -783,12 +761,7 @@ def _make_inputs_batch_first(dtype, scheme="numpy"):
         jax.ShapeDtypeStruct((2, 7, 3), dtype),
         jax.ShapeDtypeStruct((2, 3, 8, 5), jnp.float32),
     )
-    q, k, v, g, beta, initial_state = _random_initialize(structs, scheme=scheme)
-    q = jax.nn.silu(q)
-    k = jax.nn.silu(k)
-    g = -0.1 * jax.nn.softplus(g)
-    beta = jax.nn.sigmoid(beta)
-    return q, k, v, g, beta, initial_state
+    return _activated_inputs(structs, scheme)
 
 
 class TestBatchFirstApiTest:
@@ -796,37 +769,12 @@ class TestBatchFirstApiTest:
 
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
     def test_kimi_delta_attention_matches_reference(self, dtype, scheme):
-        q, k, v, g, beta, initial_state = _make_inputs_batch_first(dtype, scheme)
-
-        @jax.jit
-        def f(q, k, v, g, beta, initial_state):
-            return kda_api.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state,
-                                                output_final_state=True)
-
-        output, final_state = f(q, k, v, g, beta, initial_state)
-        ref_output, ref_final_state = _run_reference_batch_first(q, k, v, g, beta, initial_state=initial_state,
-                                                                 output_final_state=True)
-
-        assert output.shape == v.shape
-        assert output.dtype == q.dtype
-        assert final_state.shape == initial_state.shape
-        assert final_state.dtype == jnp.float32
-        _assert_trees_all_close(output, ref_output, atol=0.01, rtol=0.01)
-        _assert_trees_all_close(final_state, ref_final_state, atol=0.01, rtol=0.01)
+        _check_matches_reference(kda_api.kimi_delta_attention, _run_reference_batch_first,
+                                 _make_inputs_batch_first(dtype, scheme))
 
     def test_kimi_delta_attention_gradients_match_reference(self, scheme):
-        q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32, scheme)
-
-        def loss(fn, q, k, v, g, beta):
-            output, _ = fn(q, k, v, g, beta)
-            return jnp.sum(output * output)
-
-        grad = jax.grad(lambda q, k, v, g, beta: loss(kda_api.kimi_delta_attention, q, k, v, g, beta),
-                        argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-        ref_grad = _reference_grad(lambda q, k, v, g, beta: loss(_reference_batch_first, q, k, v, g, beta),
-                                   (q, k, v, g, beta), argnums=(0, 1, 2, 3, 4))
-
-        _assert_trees_all_close(grad, ref_grad, atol=0.01, rtol=0.01)
+        _check_gradients_match_reference(kda_api.kimi_delta_attention, _reference_batch_first,
+                                         _make_inputs_batch_first(jnp.float32, scheme))
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
     def test_xla_chunked_matches_xla(self, dtype, scheme):
