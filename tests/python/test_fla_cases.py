@@ -1,6 +1,8 @@
 """FLA's own KDA test cases (fla-org/flash-linear-attention tests/ops/test_kda.py: test_chunk,
 test_chunk_varlen, test_chunk_use_beta_sigmoid_in_kernel, test_chunk_state_v_first,
-test_fused_recurrent_gate_in_kernel, test_fused_recurrent_vllm_decode) run on libkda.torch with
+test_naive_chunk, test_fused_recurrent, test_fused_recurrent_use_beta_sigmoid_in_kernel,
+test_fused_recurrent_state_v_first, test_fused_recurrent_gate_in_kernel,
+test_fused_recurrent_vllm_decode) run on libkda.torch with
 FLA's metric and tolerances: rms(ref - ours) / rms(ref), skipped when the largest absolute error
 is below 1e-6. The reference is stricter than FLA's: the token-by-token recurrence and the gate
 evaluated in float64 on float64 copies of the inputs (so every tolerance is against the exact
@@ -17,7 +19,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from libkda.torch import (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd,  # noqa: E402
-                          naive_kda_gate, naive_kda_lowerbound_gate, naive_recurrent_kda)
+                          naive_chunk_kda, naive_kda_gate, naive_kda_lowerbound_gate, naive_recurrent_kda)
 
 LARGE = os.environ.get("KDA_LARGE_TESTS") == "1"
 F64 = torch.float64
@@ -313,9 +315,10 @@ def test_chunk_state_v_first(B, T, H, D, scale, norm, dtype):
 # test_fused_recurrent_gate_in_kernel: the gate in kernel (softplus or lower bound, with and
 # without A_log / dt_bias, GVA) against the gate applied outside, within 0.002.
 @pytest.mark.parametrize("B,T,H,HV,D,scale,has_a_log,has_dt_bias,safe_gate,dtype", [
-    (1, 64, 2, 2, 64, 1, True, True, False, torch.float),
-    (2, 128, 2, 4, 64, 0.5, True, False, False, torch.float),
-    (2, 100, 4, 4, 128, 0.1, True, True, True, torch.float16),
+    (1, 64, 1, 1, 64, 1, True, False, False, torch.float),
+    (2, 256, 2, 2, 64, 1, True, True, False, torch.float),
+    (2, 512, 2, 4, 64, 0.1, True, True, True, torch.float16),
+    (3, 1000, 2, 8, 128, 1, True, False, False, torch.float16),
     (4, 1024, 4, 4, 128, 0.1, True, True, True, torch.float16),
     (1, 64, 1, 1, 64, 1, False, False, True, torch.float),
     (2, 256, 2, 4, 64, 1, False, True, True, torch.float),
@@ -407,3 +410,109 @@ def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in
     fla_assert_close("o", ref_o, tri_o, 0.005)
     fla_assert_close("ht", ref_pool[idx.long()], tri_pool[idx.long()], 0.005)
     assert torch.equal(tri_pool[untouched], pool[untouched]), "an untouched pool slot was written"
+
+
+# ------------------------------------------------------------------------------------------
+# test_naive_chunk: the chunked torch reference against the token-by-token one (GVA included).
+@pytest.mark.parametrize("B,T,H,HV,D,scale,norm", [
+    (1, 64, 1, 1, 64, 1, 1), (2, 512, 3, 3, 60, 1, 1), (4, 1024, 4, 4, 128, 0.1, 1), (4, 1024, 4, 4, 128, 1, 10),
+    (1, 64, 1, 2, 64, 1, 1), (2, 512, 2, 4, 60, 1, 1),
+])
+def test_naive_chunk(B, T, H, HV, D, scale, norm):
+    T = cap_t(T)
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D)
+    k = torch.rand(B, T, H, D)
+    v = torch.rand(B, T, HV, D)
+    g = F.logsigmoid(torch.randn(B, T, HV, D)) / norm
+    beta = torch.randn(B, T, HV).sigmoid()
+    h0 = torch.randn(B, HV, D, D)
+    x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta, scale=scale,
+             initial_state=h0, output_final_state=True)
+    ref, ref_ht = naive_recurrent_kda(**x)
+    tri, tri_ht = naive_chunk_kda(**x)
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_fused_recurrent: fp32, odd head dims, GVA, l2norm in kernel; where D is not a power of two
+# g is a view into a buffer that continues with 1e30, so any read past D shows up.
+@pytest.mark.parametrize("B,T,H,HV,D,scale,norm,l2_in_kernel", [
+    (1, 64, 1, 1, 64, 1, 1, False), (2, 512, 3, 3, 60, 1, 1, False), (3, 1000, 4, 4, 100, 0.1, 1, True),
+    (4, 1024, 4, 4, 128, 0.1, 1, False), (2, 512, 2, 4, 60, 1, 1, False), (2, 1024, 2, 8, 128, 0.1, 1, True),
+])
+def test_fused_recurrent(B, T, H, HV, D, scale, norm, l2_in_kernel):
+    T = cap_t(T)
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D)
+    k = torch.rand(B, T, H, D)
+    v = torch.rand(B, T, HV, D)
+    g = F.logsigmoid(torch.randn(B, T, HV, D)) / norm
+    beta = torch.randn(B, T, HV).sigmoid()
+    h0 = torch.randn(B, HV, D, D)
+    g_tri = g.clone()
+    if D & (D - 1):
+        pow2 = 1 << (D - 1).bit_length()
+        buf = torch.full((g.numel() + pow2,), 1e30)
+        g_tri = buf[:g.numel()].view_as(g).copy_(g)
+    rq, rk, rv, rg, rb, rh0 = f64(q, k, v, g, beta, h0)
+    ref, ref_ht = naive_recurrent_kda(F.normalize(rq, p=2, dim=-1), F.normalize(rk, p=2, dim=-1), rv, rg, rb,
+                                      scale=scale, initial_state=rh0, output_final_state=True)
+    tri, tri_ht = fused_recurrent_kda(
+        q=q if l2_in_kernel else F.normalize(q, p=2, dim=-1), k=k if l2_in_kernel else F.normalize(k, p=2, dim=-1),
+        v=v, g=g_tri, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=l2_in_kernel)
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_fused_recurrent_use_beta_sigmoid_in_kernel: raw logits with the sigmoid in kernel against
+# the activated beta, 0.005.
+@pytest.mark.parametrize("B,T,H,D,allow_neg_eigval", [(2, 256, 4, 64, False), (2, 256, 4, 64, True),
+                                                      (1, 512, 3, 60, True)])
+def test_fused_recurrent_use_beta_sigmoid_in_kernel(B, T, H, D, allow_neg_eigval):
+    T = cap_t(T)
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D)
+    k = torch.rand(B, T, H, D)
+    v = torch.rand(B, T, H, D)
+    g = F.logsigmoid(torch.randn(B, T, H, D))
+    beta_post = torch.randn(B, T, H).sigmoid()
+    beta_raw = torch.logit(beta_post.float().clamp_(1e-4, 1 - 1e-4))
+    h0 = torch.randn(B, H, D, D)
+    x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, scale=None, initial_state=h0,
+             output_final_state=True)
+    ref, ref_ht = fused_recurrent_kda(**x, beta=beta_post * (2 if allow_neg_eigval else 1))
+    tri, tri_ht = fused_recurrent_kda(**x, beta=beta_raw, use_beta_sigmoid_in_kernel=True,
+                                      allow_neg_eigval=allow_neg_eigval)
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_fused_recurrent_state_v_first: V-first against K-first within 1e-4, and FLA's deprecated
+# transpose_state_layout keyword (a DeprecationWarning; ValueError together with state_v_first).
+@pytest.mark.parametrize("B,T,H,D,scale,norm", [(1, 64, 1, 64, 1, 1), (2, 512, 3, 60, 1, 1),
+                                                (3, 1000, 4, 100, 0.1, 1), (4, 1024, 4, 128, 0.1, 1)])
+def test_fused_recurrent_state_v_first(B, T, H, D, scale, norm):
+    T = cap_t(T)
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D)
+    k = torch.rand(B, T, H, D)
+    v = torch.rand(B, T, H, D)
+    g = F.logsigmoid(torch.randn(B, T, H, D)) / norm
+    beta = torch.randn(B, T, H).sigmoid()
+    h0_kv = torch.randn(B, H, D, D)
+    h0_vk = h0_kv.transpose(-1, -2).contiguous()
+    x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta, scale=scale,
+             output_final_state=True, use_qk_l2norm_in_kernel=False)
+    ref, ref_ht = fused_recurrent_kda(**x, initial_state=h0_kv, state_v_first=False)
+    tri, tri_ht = fused_recurrent_kda(**x, initial_state=h0_vk, state_v_first=True)
+    fla_assert_close("o", ref, tri, 1e-4)
+    fla_assert_close("ht", ref_ht, tri_ht.transpose(-1, -2), 1e-4)
+    with pytest.warns(DeprecationWarning):
+        fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, transpose_state_layout=True)
+    with pytest.raises(ValueError):
+        fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, state_v_first=True, transpose_state_layout=True)
