@@ -183,12 +183,13 @@ struct Bf16Dot {
 // C (m x n, ldc) += alpha * A (m x kd) * B (kd x n, ldb), n a multiple of 16 (kd counts pairs
 // with Bf16Dot). A(i, p) = a[i * ars + p * acs]. With a_lower, A(i, p) = 0 for p > i and is not
 // read. With c_scale, row i of C is first scaled by c_scale[i] (C = diag(c_scale) C + alpha A B),
-// which saves the state update a separate pass over the state. Register-blocked: MR rows x NV
-// vectors of accumulators.
+// which saves the state update a separate pass over the state. With c_src (same ldc), the C added
+// to is read from there instead (C = diag(c_scale) C_src + alpha A B), which saves a copy when the
+// old state must survive. Register-blocked: MR rows x NV vectors of accumulators.
 template <int MR, int NV, typename Op>
 static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int64_t ars, std::int64_t acs,
                              const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
-                             const float* c_scale) {
+                             const float* c_scale, const float* c_src) {
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vsplat(0.0f);
@@ -201,14 +202,16 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
     }
   }
   const vf al = vsplat(alpha);
+  const float* src = c_src ? c_src : c;
   for (int r = 0; r < MR; ++r) {
     const vf cs = vsplat(c_scale ? c_scale[r] : 1.0f);
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kLanes;
+      const vf old = vload(src + r * ldc + v * kLanes);
       if (c_scale)
-        vstore(cp, vload(cp) * cs + al * acc[r][v]);
+        vstore(cp, old * cs + al * acc[r][v]);
       else
-        vstore(cp, vload(cp) + al * acc[r][v]);
+        vstore(cp, old + al * acc[r][v]);
     }
   }
 }
@@ -216,13 +219,14 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
 template <int MR, typename Op>
 static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                              std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
-                             float alpha, const float* c_scale) {
+                             float alpha, const float* c_scale, const float* c_src) {
   std::int64_t j = 0;
+  auto src = [&](std::int64_t col) { return c_src ? c_src + col : nullptr; };
   for (; j + 4 * kLanes <= n; j += 4 * kLanes)
-    gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale);
+    gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
   for (; j + 2 * kLanes <= n; j += 2 * kLanes)
-    gemm_tile<MR, 2, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale);
-  for (; j < n; j += kLanes) gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale);
+    gemm_tile<MR, 2, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
+  for (; j < n; j += kLanes) gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
 }
 
 // Which part of a product is needed, so triangular operands and outputs cost half.
@@ -236,7 +240,7 @@ enum class Tri : std::uint8_t {
 template <typename Op = F32Fma>
 static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
-                        Tri tri = Tri::kFull, const float* c_scale = nullptr) {
+                        Tri tri = Tri::kFull, const float* c_scale = nullptr, const float* c_src = nullptr) {
   // 6 rows x 64 columns of accumulators (24 of the 32 vector registers): each B vector loaded
   // serves 6 FMAs.
   constexpr int kMR = 6;
@@ -254,13 +258,14 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
     float* ci = c + i * ldc;
     const std::int64_t kdi = p1 - p0;
     const float* cs = c_scale ? c_scale + i : nullptr;
+    const float* si = c_src ? c_src + i * ldc : nullptr;
     switch (mr) {
-      case 6: gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs); break;
-      case 5: gemm_rows<5, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs); break;
-      case 4: gemm_rows<4, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs); break;
-      case 3: gemm_rows<3, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs); break;
-      case 2: gemm_rows<2, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs); break;
-      default: gemm_rows<1, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs); break;
+      case 6: gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
+      case 5: gemm_rows<5, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
+      case 4: gemm_rows<4, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
+      case 3: gemm_rows<3, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
+      case 2: gemm_rows<2, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
+      default: gemm_rows<1, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
     }
   }
 }
