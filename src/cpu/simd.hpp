@@ -38,13 +38,15 @@ static inline void vstore_n(float* p, vf v, std::int64_t n) {
   vstore(t, v);
   std::memcpy(p, t, sizeof(float) * n);
 }
-// Sum of the 16 lanes, pairwise.
+// Sum of the 16 lanes, pairwise: lane l + lane l + 8, then + 4, + 2, + 1, in registers (the same
+// additions in the same order as a loop over a stored copy, which cost a store-to-load round trip).
 static inline float vsum(vf v) {
-  float t[kLanes];
-  vstore(t, v);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  return t[0];
+  static_assert(kLanes == 16, "vsum's shuffles are written for 16 lanes");
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
 // e^x, about 1 ulp (Cephes expf polynomial with a two-part ln 2). Results below FLT_MIN
