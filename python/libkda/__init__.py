@@ -11,8 +11,9 @@ chunk_kda_fwd_bwd / naive_recurrent_kda_bwd run the forward and then its backwar
 kda_inference is the forward without residuals, optionally reading its initial states from a
 state pool; kda_decode advances sequences by a few tokens against a state pool, in place.
 
-Framework ops (docs/PYTHON.md): libkda.torch (drop-in for fla.ops.kda) and libkda.jax (drop-in
-for Tokamax's kimi_delta_attention) import torch / jax on demand; `import libkda` needs neither.
+Framework ops (docs/PYTHON.md): libkda.torch (drop-in for fla.ops.kda), libkda.flash_kda
+(FlashKDA's flash_kda.fwd / torch_kda, on torch) and libkda.jax (drop-in for Tokamax's
+kimi_delta_attention) import torch / jax on demand; `import libkda` needs neither.
 """
 
 from __future__ import annotations
