@@ -412,6 +412,18 @@ def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in
     assert torch.equal(tri_pool[untouched], pool[untouched]), "an untouched pool slot was written"
 
 
+def fp32_inputs(B, T, H, HV, D, norm):
+    """FLA's fp32 inputs of test_naive_chunk / test_fused_recurrent (seed 42): q, k, v uniform,
+    g = logsigmoid(N(0, 1)) / norm, beta = sigmoid(N(0, 1)), h0 ~ N(0, 1) [B, HV, D, D]."""
+    torch.manual_seed(42)
+    q = torch.rand(B, T, H, D)
+    k = torch.rand(B, T, H, D)
+    v = torch.rand(B, T, HV, D)
+    g = F.logsigmoid(torch.randn(B, T, HV, D)) / norm
+    beta = torch.randn(B, T, HV).sigmoid()
+    return q, k, v, g, beta, torch.randn(B, HV, D, D)
+
+
 # ------------------------------------------------------------------------------------------
 # test_naive_chunk: the chunked torch reference against the token-by-token one (GVA included).
 @pytest.mark.parametrize("B,T,H,HV,D,scale,norm", [
@@ -419,14 +431,7 @@ def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in
     (1, 64, 1, 2, 64, 1, 1), (2, 512, 2, 4, 60, 1, 1),
 ])
 def test_naive_chunk(B, T, H, HV, D, scale, norm):
-    T = cap_t(T)
-    torch.manual_seed(42)
-    q = torch.rand(B, T, H, D)
-    k = torch.rand(B, T, H, D)
-    v = torch.rand(B, T, HV, D)
-    g = F.logsigmoid(torch.randn(B, T, HV, D)) / norm
-    beta = torch.randn(B, T, HV).sigmoid()
-    h0 = torch.randn(B, HV, D, D)
+    q, k, v, g, beta, h0 = fp32_inputs(B, cap_t(T), H, HV, D, norm)
     x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta, scale=scale,
              initial_state=h0, output_final_state=True)
     ref, ref_ht = naive_recurrent_kda(**x)
@@ -443,14 +448,7 @@ def test_naive_chunk(B, T, H, HV, D, scale, norm):
     (4, 1024, 4, 4, 128, 0.1, 1, False), (2, 512, 2, 4, 60, 1, 1, False), (2, 1024, 2, 8, 128, 0.1, 1, True),
 ])
 def test_fused_recurrent(B, T, H, HV, D, scale, norm, l2_in_kernel):
-    T = cap_t(T)
-    torch.manual_seed(42)
-    q = torch.rand(B, T, H, D)
-    k = torch.rand(B, T, H, D)
-    v = torch.rand(B, T, HV, D)
-    g = F.logsigmoid(torch.randn(B, T, HV, D)) / norm
-    beta = torch.randn(B, T, HV).sigmoid()
-    h0 = torch.randn(B, HV, D, D)
+    q, k, v, g, beta, h0 = fp32_inputs(B, cap_t(T), H, HV, D, norm)
     g_tri = g.clone()
     if D & (D - 1):
         pow2 = 1 << (D - 1).bit_length()
