@@ -514,3 +514,92 @@ def test_fused_recurrent_state_v_first(B, T, H, D, scale, norm):
         fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, transpose_state_layout=True)
     with pytest.raises(ValueError):
         fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, state_v_first=True, transpose_state_layout=True)
+
+
+# ------------------------------------------------------------------------------------------
+# FLA's tests/ops/test_kda_compression.py: fused_recurrent_kda(store_dtype=...) returns the final
+# state stored narrower (fp16, fp8) while the recurrence itself stays fp32. Two of its asserts
+# cannot hold for any implementation and are not ported as written: test_fp16_state_precision
+# checks the dtype after calling .float() on the state (checked before that here), and
+# test_fp8_state_precision wants max error < 0.05 and mean relative error < 1% from an e4m3 state,
+# below fp8's own rounding (a bare cast of N(0, 0.5) values: max 0.09, mean relative 2.6%). What
+# an fp8 store_dtype can promise -- the fp32 state cast once -- is asserted bitwise in
+# test_fla_dropin.py::test_fused_recurrent_store_dtype_casts_the_final_state.
+HAS_FP8 = hasattr(torch, "float8_e4m3fn")
+
+
+def compression_inputs(B=2, T=256, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16):
+    torch.manual_seed(42)
+    q = torch.randn(B, T, H, K, dtype=dtype)
+    k = torch.randn(B, T, H, K, dtype=dtype)
+    v = torch.randn(B, T, HV, V, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, HV, K, dtype=torch.float))
+    beta = torch.randn(B, T, HV, dtype=dtype).sigmoid()
+    h0 = torch.randn(B, HV, K, V, dtype=torch.float32)
+    return F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1), v, g, beta, h0
+
+
+@pytest.mark.parametrize("T", [256, 1024, 4096])
+@pytest.mark.parametrize("H", [4, 8])
+def test_fp16_state_precision(T, H):
+    T = T if LARGE else min(T, 1024)
+    q, k, v, g, beta, h0 = compression_inputs(2, T, H, H)
+    _, ref_ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    store_dtype=torch.float32)
+    _, fp16_ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                     store_dtype=torch.float16)
+    assert fp16_ht.dtype == torch.float16
+    fp16_ht = fp16_ht.float()
+    max_err = (ref_ht - fp16_ht).abs().max().item()
+    rel_err = ((ref_ht - fp16_ht).abs() / (ref_ht.abs() + 1e-8)).mean().item()
+    assert max_err < 0.01, f"FP16 max_err={max_err:.6f} > 0.01"
+    assert rel_err < 0.001, f"FP16 rel_err={rel_err:.6f} > 0.001"
+
+
+@pytest.mark.parametrize("store_dtype", [torch.float16] + ([torch.float8_e4m3fn] if HAS_FP8 else []))
+def test_output_equivalence(store_dtype):
+    """test_output_equivalence_fp16 / _fp8: o does not depend on how the final state is stored."""
+    q, k, v, g, beta, h0 = compression_inputs(2, 512 if store_dtype == torch.float16 else 256)
+    o_fp32, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    store_dtype=torch.float32)
+    o_low, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   store_dtype=store_dtype)
+    assert (o_fp32 - o_low).abs().max().item() < (0.005 if store_dtype == torch.float16 else 0.01)
+
+
+_FP8_SLOPE = pytest.mark.xfail(
+    LARGE, strict=True,
+    reason="FLA's slope check compares two maxima of fp8 rounding noise 1024 tokens apart: at T = 16384 they are "
+           "0.0155 and 0.0302 (slope 1.4e-5 > 1e-5) while the error stays far below its 0.1 bound")
+
+
+@pytest.mark.parametrize("T", [4096, 16384])
+@pytest.mark.parametrize("store_dtype", [torch.float16] + ([torch.float8_e4m3fn] if HAS_FP8 else []))
+def test_long_context_accumulation(T, store_dtype, request):
+    """The state carried across 64-token calls, stored narrower after every call: the error stays
+    below 0.1 and does not accelerate. T is 1024 in CI; with KDA_LARGE_TESTS=1 FLA's 4096 and
+    16384, where the fp8 case at 16384 fails FLA's slope check (an expected failure, see
+    _FP8_SLOPE)."""
+    if LARGE and T == 16384 and store_dtype != torch.float16:
+        request.applymarker(_FP8_SLOPE)
+    T = T if LARGE else 1024
+    q, k, v, g, beta, _ = compression_inputs(1, T)
+    state_fp32 = torch.zeros(1, 4, 128, 128)
+    state_low = torch.zeros(1, 4, 128, 128)
+    metrics = []
+    for i in range(0, T, 64):
+        sl = slice(i, min(i + 64, T))
+        _, state_fp32 = fused_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                            initial_state=state_fp32, output_final_state=True,
+                                            store_dtype=torch.float32)
+        _, state_low_raw = fused_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                               initial_state=state_low, output_final_state=True,
+                                               store_dtype=store_dtype)
+        assert state_low_raw.dtype == store_dtype
+        state_low = state_low_raw.float()
+        if (i // 64) % 8 == 0:
+            metrics.append((i + 64, (state_fp32 - state_low).abs().max().item()))
+    assert max(m[1] for m in metrics) < 0.1
+    if len(metrics) >= 4:
+        m0, m2 = metrics[-4], metrics[-2]
+        assert (m2[1] - m0[1]) / (m2[0] - m0[0]) < 1e-5
