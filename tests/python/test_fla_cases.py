@@ -495,14 +495,7 @@ def test_fused_recurrent_use_beta_sigmoid_in_kernel(B, T, H, D, allow_neg_eigval
 @pytest.mark.parametrize("B,T,H,D,scale,norm", [(1, 64, 1, 64, 1, 1), (2, 512, 3, 60, 1, 1),
                                                 (3, 1000, 4, 100, 0.1, 1), (4, 1024, 4, 128, 0.1, 1)])
 def test_fused_recurrent_state_v_first(B, T, H, D, scale, norm):
-    T = cap_t(T)
-    torch.manual_seed(42)
-    q = torch.rand(B, T, H, D)
-    k = torch.rand(B, T, H, D)
-    v = torch.rand(B, T, H, D)
-    g = F.logsigmoid(torch.randn(B, T, H, D)) / norm
-    beta = torch.randn(B, T, H).sigmoid()
-    h0_kv = torch.randn(B, H, D, D)
+    q, k, v, g, beta, h0_kv = fp32_inputs(B, cap_t(T), H, H, D, norm)
     h0_vk = h0_kv.transpose(-1, -2).contiguous()
     x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta, scale=scale,
              output_final_state=True, use_qk_l2norm_in_kernel=False)
