@@ -199,7 +199,7 @@ _BATCH_FIRST_IMPLEMENTATIONS = ("xla", "xla_chunked")
 
 # The libkda options beyond Tokamax's signature (through **options), with their defaults.
 _EXTENSIONS = dict(chunk_size=64, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                   rematerialize_for_backward=False, bf16_dot_products=False)
+                   rematerialize_for_backward=False, bf16_dot_products=False, per_channel_gate=True)
 # The older experimental API's keywords (A_log, dt_bias, ...) -> the current names.
 _ALIASES = dict(A_log="a_log", dt_bias="delta_time_bias", use_qk_l2norm_in_kernel="use_qk_l2norm",
                 N_max="max_num_segments", cp_context="context_parallel_metadata")
@@ -351,9 +351,16 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
     if value.shape[1:3] != (B, T) or HV < H or HV % H:
         raise ShapeError(f"`v` shape {tuple(value.shape)} must be [HV, B, T, V] = [HV, {B}, {T}, V] with HV a "
                          f"multiple of H = {H} (argument 'value', head-first).")
+    if not ext["per_channel_gate"]:
+        # One gate per head and token (a Tokamax TPU fork's scalar gate): broadcast over the K
+        # channels here, so the gradient is the sum over them (jax.grad through the broadcast).
+        if tuple(gate.shape) != (HV, B, T, 1):
+            raise ShapeError(f"`g` shape {tuple(gate.shape)} must be {(HV, B, T, 1)} with per_channel_gate=False "
+                             "(argument 'gate', head-first [HV, B, T, 1]).")
+        gate = jnp.broadcast_to(gate, (HV, B, T, K))
     if tuple(gate.shape) != (HV, B, T, K):
         raise ShapeError(f"`g` shape {tuple(gate.shape)} must be {(HV, B, T, K)} (argument 'gate', head-first "
-                         "[HV, B, T, K]).")
+                         "[HV, B, T, K]; [HV, B, T, 1] with per_channel_gate=False).")
     if tuple(beta.shape) != (HV, B, T):
         raise ShapeError(f"`beta` shape {tuple(beta.shape)} must be {(HV, B, T)} (argument 'beta', head-first "
                          "[HV, B, T]).")
@@ -478,6 +485,8 @@ def kimi_delta_attention(
       **options: libkda extensions -- ``chunk_size`` (64, 32 or 16),
         ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, ``rematerialize_for_backward`` (False:
         the forward saves the state entering every chunk for the backward; True: recompute),
+        ``per_channel_gate`` (default True; False: ``gate`` is ``[HV, B, T, 1]``, one decay per
+        head and token, broadcast over K, its gradient summed over K),
         ``bf16_dot_products`` (default False here: every product in fp32, as Tokamax's "xla"
         computes, whose tests compare elementwise at atol = rtol = 0.01; True: with bf16 inputs
         on AVX512_BF16 CPUs the state products run as bf16 dot products with fp32 accumulation,
@@ -505,6 +514,7 @@ def kimi_delta_attention(
     if done:
         return result
     a = _bind(query, key, value, gate, beta, **named, **options)
+    gate = a["gate"]  # broadcast over K when per_channel_gate=False
     flags = ((_L2NORM if a["use_qk_l2norm"] else 0) | (_GATE if a["use_gate_in_kernel"] else 0)
              | (_BETA_SIGMOID if a["use_beta_sigmoid_in_kernel"] else 0)
              | (_NEG_EIGVAL if a["allow_neg_eigval"] else 0)

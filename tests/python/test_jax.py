@@ -606,3 +606,35 @@ def test_bf16_dot_products_option():
                                    bf16_dot_products=bf16_products)
         assert np.array_equal(np.asarray(o), hf(ro)), bf16_products
         assert np.array_equal(np.asarray(fs)[:, 0], rfs), bf16_products
+
+
+def test_scalar_gate_per_head_and_token():
+    """per_channel_gate=False: gate [HV, B, T, 1] (one log decay per head and token) runs as that
+    value on every K channel -- forward bitwise equal to the broadcast gate, the gate's gradient
+    the sum over K of the per-channel one -- and against the oracle; a [HV, B, T, K] gate is then
+    a shape error."""
+    x, _, h0 = make(7, H=2, B=2, T=45, K=16, V=8)
+    scalar = x["gate"][..., :1]
+    full = np.broadcast_to(scalar, x["gate"].shape).copy()
+    common = dict(initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    o1, s1 = kj.kimi_delta_attention(x["query"], x["key"], x["value"], scalar, x["beta"], per_channel_gate=False,
+                                     **common)
+    o2, s2 = kj.kimi_delta_attention(x["query"], x["key"], x["value"], full, x["beta"], **common)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+    ro, rfs = libkda.naive_recurrent_kda(bf(x["query"]), bf(x["key"]), bf(x["value"]), bf(full), bf(x["beta"]),
+                                         initial_state=h0[:, 0], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert_close(np.asarray(o1, np.float64), hf(ro), BOUND[F32], "o")
+    assert_close(np.asarray(s1)[:, 0], rfs, BOUND[F32], "final_state")
+
+    def loss(gate, per_channel):
+        o, s = kj.kimi_delta_attention(x["query"], x["key"], x["value"], gate, x["beta"],
+                                       per_channel_gate=per_channel, **common)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.cos(s))
+
+    d_scalar = jax.grad(loss)(scalar, False)
+    d_full = jax.grad(loss)(full, True)
+    assert d_scalar.shape == scalar.shape
+    assert_close(np.asarray(d_scalar, np.float64), np.asarray(d_full, np.float64).sum(-1, keepdims=True), 1e-5, "dg")
+    with pytest.raises(ValueError, match=r"per_channel_gate=False"):
+        kj.kimi_delta_attention(x["query"], x["key"], x["value"], full, x["beta"], per_channel_gate=False, **common)
