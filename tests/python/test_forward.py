@@ -208,3 +208,27 @@ def test_bf16_dot_products_option(rng, chunk_size):
         o_s, s_s = libkda.chunk_kda(**x, output_final_state=True, chunk_size=16, path="staged")
         assert_bitwise(o_f, o_s)
         assert_bitwise(s_f, s_s, "final_state")
+
+
+@pytest.mark.parametrize("path", ["fused", "staged"])
+@pytest.mark.parametrize("cuts", [(64, 128), (37, 100, 101), (1,)], ids=["aligned", "unaligned", "one-token"])
+def test_prefill_continues_across_calls(rng, cuts, path):
+    """A sequence run in pieces, each call starting from the state the previous one ended on,
+    gives the whole run's outputs and final state (to fp32 rounding: the chunk boundaries move)
+    and stays within the oracle bound; pieces of one token included."""
+    T = 150
+    x = make_inputs(rng, B=2, T=T, H=2, HV=4, K=32, V=48)
+    h0 = rng.standard_normal((2, 4, 32, 48)).astype(np.float32)
+    whole_o, whole_s = libkda.chunk_kda(**x, initial_state=h0, output_final_state=True, path=path)
+    bounds = (0, *cuts, T)
+    state, outs = h0, []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        piece = {n: arr[:, a:b] for n, arr in x.items()}
+        o, state = libkda.chunk_kda(**piece, initial_state=state, output_final_state=True, path=path)
+        outs.append(o)
+    o = np.concatenate(outs, axis=1)
+    assert_close(o, whole_o, 1e-5, "o")
+    assert_close(state, whole_s, 1e-5, "final_state")
+    ro, rs = libkda.naive_recurrent_kda(**x, initial_state=h0, output_final_state=True)
+    assert_close(o, ro, BOUND[np.dtype(np.float32)], "o vs oracle")
+    assert_close(state, rs, BOUND[np.dtype(np.float32)], "final_state vs oracle")
