@@ -272,6 +272,40 @@ def test_prefill_final_state_feeds_decode(rng, v_first):
     assert (pool[others].view(np.uint32) == POISON.view(np.uint32)).all(), "untouched slots changed"
 
 
+@pytest.mark.parametrize("K,V", [(32, 64), (100, 48), (16, 16), (24, 40), (128, 128)],
+                         ids=["K32V64", "K100V48", "K16V16", "K24V40", "K128V128"])
+def test_decode_v_first_pool_in_place(rng, K, V):
+    """A V-first pool is decoded in place in one pass over its rows (K contiguous floats each; K
+    not a multiple of 16 included): outputs and new states match the same states decoded K-first
+    to fp32 rounding (the two layouts sum in different orders) and the oracle; padding rows and
+    other slots stay bitwise untouched."""
+    N, H, HV = 3, 2, 4
+    x = make_inputs(rng, B=N, T=1, H=H, HV=HV, K=K, V=V, gate="raw", l2norm=True)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                A_log=rng.uniform(-1, 1, HV).astype(np.float32),
+                dt_bias=(0.3 * rng.standard_normal(HV * K)).astype(np.float32))
+    slots = np.array([2, -1, 0], np.int32)
+    kfirst = pool_of(rng, 4, HV, K, V, False)
+    vfirst = np.ascontiguousarray(kfirst.transpose(0, 1, 3, 2))  # V-first in memory
+    k0, v0 = kfirst.copy(), vfirst.copy()
+    o_k = libkda.kda_decode(**x, state_pool=kfirst, slot_indices=slots, **opts)
+    o_v = libkda.kda_decode(**x, state_pool=vfirst, slot_indices=slots, state_v_first=True, **opts)
+    assert_close(o_v, o_k, 1e-6, "o (V-first vs K-first)")
+    assert_close(vfirst.transpose(0, 1, 3, 2), kfirst, 1e-6, "pool (V-first vs K-first)")
+    assert_bitwise(vfirst[[1, 3]], v0[[1, 3]], "untouched slots")
+    assert not o_v[1].any(), "padding row: o must be 0"
+    ro, rf = libkda.naive_recurrent_kda(**{n: a[[0, 2]] for n, a in x.items()}, initial_state=k0[[2, 0]],
+                                        output_final_state=True, **opts)
+    for name, o, pool in (("V-first", o_v, vfirst.transpose(0, 1, 3, 2)), ("K-first", o_k, kfirst)):
+        assert_close(o[[0, 2]], ro, BOUND[np.dtype(np.float32)], f"o vs oracle ({name})")
+        assert_close(pool[[2, 0]], rf, BOUND[np.dtype(np.float32)], f"pool vs oracle ({name})")
+    # Deterministic: the same call again gives bitwise the same result.
+    again = v0.copy()
+    o_again = libkda.kda_decode(**x, state_pool=again, slot_indices=slots, state_v_first=True, **opts)
+    assert_bitwise(o_again, o_v, "o (repeat)")
+    assert_bitwise(again, vfirst, "pool (repeat)")
+
+
 def test_decode_padding_rows(rng, poison_outputs):
     # Every row padding: o is all zeros, the pool bitwise unchanged (it would be NaN-poisoned
     # output otherwise, see poison_outputs).
