@@ -306,6 +306,26 @@ def test_decode_v_first_pool_in_place(rng, K, V):
     assert_bitwise(again, vfirst, "pool (repeat)")
 
 
+@pytest.mark.parametrize("K,V", [(16, 32), (1, 5), (7, 1)], ids=["K16V32", "K1V5", "K7V1"])
+def test_decode_v_first_pool_view_with_padded_rows(rng, K, V):
+    """A V-first pool view whose rows are padded (row stride K + 3, a slice of a wider array) is
+    decoded in place: the padding columns stay bitwise untouched and the result matches the same
+    states decoded from a contiguous K-first pool (to fp32 rounding); tiny K and V included."""
+    N, H, HV = 2, 1, 2
+    x = make_inputs(rng, B=N, T=1, H=H, HV=HV, K=K, V=V)
+    slots = np.array([1, 2], np.int32)
+    kfirst = pool_of(rng, 3, HV, K, V, False)
+    wide = rng.standard_normal((3, HV, V, K + 3)).astype(np.float32)
+    wide[..., :K] = kfirst.transpose(0, 1, 3, 2)
+    wide0 = wide.copy()
+    o_v = libkda.kda_decode(**x, state_pool=wide[..., :K], slot_indices=slots, state_v_first=True)
+    o_k = libkda.kda_decode(**x, state_pool=kfirst, slot_indices=slots)
+    assert_close(o_v, o_k, 1e-6, "o")
+    assert_close(wide[..., :K].transpose(0, 1, 3, 2), kfirst, 1e-6, "pool")
+    assert_bitwise(wide[..., K:], wide0[..., K:], "row padding")
+    assert_bitwise(wide[0], wide0[0], "untouched slot")
+
+
 def test_decode_padding_rows(rng, poison_outputs):
     # Every row padding: o is all zeros, the pool bitwise unchanged (it would be NaN-poisoned
     # output otherwise, see poison_outputs).
