@@ -402,7 +402,14 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
             raise ValueError(f"`{a_log_name}` must be provided when `use_gate_in_kernel=True`.")
         if tuple(jnp.shape(a_log)) != (HV,):
             raise ShapeError(f"`{a_log_name}` shape {tuple(jnp.shape(a_log))} must be {(HV,)}.")
-        if delta_time_bias is not None and tuple(jnp.shape(delta_time_bias)) != (HV * K,):
+        if not ext["per_channel_gate"]:
+            # One decay per head and token: the bias is per head too ([HV]), broadcast over K.
+            if delta_time_bias is not None and tuple(jnp.shape(delta_time_bias)) != (HV,):
+                raise ShapeError(f"`{bias_name}` shape {tuple(jnp.shape(delta_time_bias))} must be {(HV,)} with "
+                                 "per_channel_gate=False (one decay per head and token).")
+            if delta_time_bias is not None:
+                delta_time_bias = jnp.repeat(jnp.asarray(delta_time_bias), K)
+        elif delta_time_bias is not None and tuple(jnp.shape(delta_time_bias)) != (HV * K,):
             raise ShapeError(f"`{bias_name}` shape {tuple(jnp.shape(delta_time_bias))} must be {(HV * K,)}.")
         if safe_gate and lower_bound is None:
             raise ValueError("`lower_bound` must be specified when `safe_gate=True` and "
@@ -486,7 +493,8 @@ def kimi_delta_attention(
         ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, ``rematerialize_for_backward`` (False:
         the forward saves the state entering every chunk for the backward; True: recompute),
         ``per_channel_gate`` (default True; False: ``gate`` is ``[HV, B, T, 1]``, one decay per
-        head and token, broadcast over K, its gradient summed over K),
+        head and token, broadcast over K, its gradient summed over K; with the gate in kernel
+        ``delta_time_bias`` is then ``[HV]``),
         ``bf16_dot_products`` (default False here: every product in fp32, as Tokamax's "xla"
         computes, whose tests compare elementwise at atol = rtol = 0.01; True: with bf16 inputs
         on AVX512_BF16 CPUs the state products run as bf16 dot products with fp32 accumulation,

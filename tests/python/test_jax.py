@@ -638,3 +638,37 @@ def test_scalar_gate_per_head_and_token():
     assert_close(np.asarray(d_scalar, np.float64), np.asarray(d_full, np.float64).sum(-1, keepdims=True), 1e-5, "dg")
     with pytest.raises(ValueError, match=r"per_channel_gate=False"):
         kj.kimi_delta_attention(x["query"], x["key"], x["value"], full, x["beta"], per_channel_gate=False, **common)
+
+
+def test_scalar_gate_in_kernel_takes_a_per_head_bias():
+    """per_channel_gate=False with the gate in kernel: delta_time_bias is [HV] (one decay per head
+    and token), equal bitwise to the per-channel call with the gate and bias broadcast over K, its
+    gradient the sum over K; a per-channel [HV * K] bias is then a shape error."""
+    x, extra, h0 = make(8, H=1, HV=2, B=1, T=40, K=16, V=8, gate="softplus")
+    HV, K = 2, 16
+    scalar = x["gate"][..., :1]
+    bias_h = extra["delta_time_bias"][::K].copy()  # [HV]
+    full_gate = np.broadcast_to(scalar, x["gate"].shape).copy()
+    full_bias = np.repeat(bias_h, K)
+    common = dict(initial_state=h0, output_final_state=True, use_gate_in_kernel=True, a_log=extra["a_log"])
+
+    def run(gate, bias, per_channel):
+        return kj.kimi_delta_attention(x["query"], x["key"], x["value"], gate, x["beta"], delta_time_bias=bias,
+                                       per_channel_gate=per_channel, **common)
+
+    o1, s1 = run(scalar, bias_h, False)
+    o2, s2 = run(full_gate, full_bias, True)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+
+    def loss(gate, bias, per_channel):
+        o, s = run(gate, bias, per_channel)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.cos(s))
+
+    dg1, db1 = jax.grad(loss, argnums=(0, 1))(scalar, bias_h, False)
+    dg2, db2 = jax.grad(loss, argnums=(0, 1))(full_gate, full_bias, True)
+    assert db1.shape == (HV,)
+    assert_close(np.asarray(dg1, np.float64), np.asarray(dg2, np.float64).sum(-1, keepdims=True), 1e-5, "dg")
+    assert_close(np.asarray(db1, np.float64), np.asarray(db2, np.float64).reshape(HV, K).sum(-1), 1e-5, "dbias")
+    with pytest.raises(ValueError, match=r"per_channel_gate=False"):
+        run(scalar, full_bias, False)
