@@ -90,12 +90,54 @@ def _chunk_capacity(B, T, cfg: _Config):
     return B * (nt + (cfg.num_states - 1 if cfg.segmented else 0))
 
 
+# Inside shard_map, JAX types every value with the manual mesh axes it varies over. An ffi_call's
+# results come back typed invariant, and it rejects operands of mixed types; jax.grad then rejects
+# cotangents whose type differs from their primal's. So operands and results are made varying over
+# every axis any operand varies over (each device computed its own results), and a cotangent that
+# varies where its primal does not (a_log, dt_bias or a state replicated over the data axis) is
+# summed over those axes: the gradient of a replicated input is the sum of the shards' gradients.
+# JAX 0.10 calls the type manual_axis_type and the cast pcast; 0.6-0.9 vma and pvary; older JAX
+# has neither, and these are no-ops.
+def _varying_axes(x):
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _make_varying(x, axes):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+def _varying_call(target, out_types, operands, attrs):
+    """ffi_call with operands and results varying over the union of the operands' axes."""
+    axes = frozenset().union(*(_varying_axes(x) for x in operands))
+    operands = [_make_varying(x, axes) for x in operands]
+    outs = jax.ffi.ffi_call(target, out_types, vmap_method="expand_dims")(*operands, **attrs)
+    return [_make_varying(o, axes) for o in outs]
+
+
+def _like_primal(ct, primal):
+    """A cotangent summed over the manual axes it varies over and its primal does not."""
+    if ct is None or primal is None:
+        return ct
+    extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
 def _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg: _Config):
     H, B, T, K = q.shape
     HV, V = v.shape[0], v.shape[3]
     oracle = q.dtype == jnp.float64
     sdt = jnp.float64 if oracle else jnp.float32
     present = _present(a_log, dt_bias, initial_state, segment_ids)
+    operands = _operands(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids)
     out_types = [jax.ShapeDtypeStruct((HV, B, T, V), q.dtype)]
     if cfg.output_final_state:
         present |= _WANT_FINAL_STATE
@@ -103,8 +145,7 @@ def _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg: 
     if cfg.save_states:
         present |= _HAS_CHUNK_STATES
         out_types.append(jax.ShapeDtypeStruct((_chunk_capacity(B, T, cfg), HV, K, V), sdt))
-    outs = jax.ffi.ffi_call("libkda_kda_forward", out_types, vmap_method="expand_dims")(
-        *_operands(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids), **_attrs(cfg, present, oracle))
+    outs = _varying_call("libkda_kda_forward", out_types, operands, _attrs(cfg, present, oracle))
     o = outs[0]
     final_state = outs[1] if cfg.output_final_state else None
     chunk_states = outs[-1] if cfg.save_states else None
@@ -139,8 +180,7 @@ def _backward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, chun
     if gate and dt_bias is not None:
         present |= _WANT_DDT_BIAS
         out_types.append(jax.ShapeDtypeStruct(dt_bias.shape, f32))
-    outs = list(jax.ffi.ffi_call("libkda_kda_backward", out_types, vmap_method="expand_dims")(
-        *operands, **_attrs(cfg, present, oracle)))
+    outs = _varying_call("libkda_kda_backward", out_types, operands, _attrs(cfg, present, oracle))
     dq, dk, dv, dg, dbeta = outs[:5]
     rest = outs[5:]
     dh0 = rest.pop(0) if initial_state is not None else None
@@ -179,13 +219,14 @@ def _kda_bwd(cfg, residuals, cotangents):
     dq, dk, dv, dg, dbeta, da, ddt, dh0 = _backward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids,
                                                     chunk_states, do, dht, cfg)
     gate = bool(cfg.flags & _GATE)
-    return (
+    cts = (
         _cast(dq, q), _cast(dk, k), _cast(dv, v), _cast(dg, g), _cast(dbeta, beta),
         _cast(da, a_log) if gate else _zeros_like(a_log),
         _cast(ddt, dt_bias) if gate else _zeros_like(dt_bias),
         _cast(dh0, initial_state),
-        None,  # segment_ids: integer, no cotangent
     )
+    primals = (q, k, v, g, beta, a_log, dt_bias, initial_state)
+    return tuple(_like_primal(ct, x) for ct, x in zip(cts, primals)) + (None,)  # segment_ids: no cotangent
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
