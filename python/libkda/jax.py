@@ -201,7 +201,9 @@ def _zeros_like(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _kda(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg):
-    o, final_state, _ = _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg)
+    # Not differentiated: the forward alone, with no chunk states written (the inference path).
+    o, final_state, _ = _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids,
+                                 cfg._replace(save_states=False))
     return o, final_state
 
 
@@ -429,8 +431,10 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
                 f"without segment_ids there is one state per batch row (N = 1), got N = {max_num_segments}")
         num_states = 1
     else:
+        if tuple(jnp.shape(segment_ids)) == (T,):  # one map for every batch row (SPEC.md 1.2)
+            segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids)[None, :], (B, T))
         if tuple(jnp.shape(segment_ids)) != (B, T):
-            raise ShapeError(f"`segment_ids` shape {tuple(jnp.shape(segment_ids))} must be {(B, T)}.")
+            raise ShapeError(f"`segment_ids` shape {tuple(jnp.shape(segment_ids))} must be {(B, T)} or {(T,)}.")
         if max_num_segments is None:
             raise ValueError("`max_num_segments` is required when `segment_ids` is provided without "
                              "`initial_state` (in Tokamax's older API: `N_max` is required).")
@@ -667,3 +671,95 @@ kda.IMPLEMENTATIONS = {name: _batch_first_kimi_delta_attention for name in _BATC
 kda._DEFAULT_IMPLEMENTATIONS = ("xla",)
 kda.UnknownImplementationError = UnknownImplementationError  # also libkda.jax.UnknownImplementationError
 sys.modules[kda.__name__] = kda  # `from libkda.jax.kda import kimi_delta_attention`
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokamax's standalone inference API (tokamax/_src/ops/experimental/kda/inference.py, the Ant
+# Group fork: `kimi_delta_attention_inference`, batch-first, forward only). Here it is the same
+# forward as kimi_delta_attention without residuals; also importable as libkda.jax.inference.
+# ---------------------------------------------------------------------------------------------
+
+def kimi_delta_attention_inference(q, k, v, g, beta, *, segment_ids, a_log=None, delta_time_bias=None,
+                                   scale: float | None = None, initial_state=None, output_final_state: bool = False,
+                                   use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+                                   safe_gate: bool = True, lower_bound: float | None = None,
+                                   max_num_segments: int | None = None):
+    """Tokamax's ``kimi_delta_attention_inference``: the KDA forward for packed inference.
+
+    q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``, all bf16; g is the raw gate;
+    segment_ids ``[B, T]`` or ``[T]`` int32 (1-indexed runs, 0 = padding); a_log ``[H]`` and
+    delta_time_bias ``[H * K]`` (required); initial_state fp32 ``[B, N, H, K, V]`` or ``[N, H, K, V]``;
+    max_num_segments N (inferred from initial_state when omitted).
+
+    The contract is Tokamax's, checks and all (each a ValueError): bf16 inputs, T a multiple of 64,
+    ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` and ``safe_gate`` True, ``lower_bound`` in
+    [-5, 0), fp32 states. libkda's kernels need none of these limits: ``kimi_delta_attention`` takes
+    any dtype, length and gate form. a_log is clamped at 80, as Tokamax does (exp(a_log) stays
+    finite).
+
+    Returns ``(output [B, T, H, V] in q's dtype, final_state fp32 [B, N, H, K, V] or None)``. Not
+    differentiated, it writes no chunk states (nothing is kept for a backward); unlike Tokamax's it
+    can also be differentiated (kimi_delta_attention's backward).
+    """
+    if any(d <= 0 for d in q.shape) or v.shape[-1] <= 0:
+        raise ValueError("tensor dimensions must be positive")
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(f"kimi_delta_attention_inference currently requires BF16, got {q.dtype}")
+    if not (q.dtype == k.dtype == v.dtype == g.dtype):
+        raise ValueError("q, k, v, and g must have the same dtype")
+    if beta.dtype != q.dtype:
+        raise ValueError("beta must have the same dtype as q")
+    if q.shape[:3] != k.shape[:3] or q.shape != g.shape:
+        raise ValueError("q, k, and g must agree on [B, T, H, K]")
+    if q.shape[:3] != v.shape[:3] or q.shape[:3] != beta.shape:
+        raise ValueError("v and beta must agree with q on [B, T, H]")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError("q and k must have the same key dimension")
+    if q.shape[1] % 64:
+        raise ValueError("T must be padded to a multiple of 64")
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.ndim == 1:
+        segment_ids = jnp.broadcast_to(segment_ids[None, :], (q.shape[0], segment_ids.shape[0]))
+    if segment_ids.shape != q.shape[:2]:
+        raise ValueError(f"segment_ids must have shape {q.shape[:2]}, got {segment_ids.shape}")
+    if segment_ids.dtype != jnp.int32:
+        raise ValueError(f"segment_ids must use int32, got {segment_ids.dtype}")
+    if use_gate_in_kernel and (a_log is None or delta_time_bias is None):
+        raise ValueError("fused gate activation requires a_log and delta_time_bias")
+    if not use_qk_l2norm_in_kernel:
+        raise ValueError("standalone inference requires in-kernel Q/K L2 normalization to bound the triangular solve")
+    if not use_gate_in_kernel or not safe_gate:
+        raise ValueError("standalone inference requires safe fused gate activation")
+    if lower_bound is None or not (-5 <= lower_bound < 0):
+        raise ValueError("safe fused gate activation requires lower_bound in [-5, 0)")
+    if max_num_segments is None:
+        if initial_state is None:
+            raise ValueError("max_num_segments is required when initial_state is None")
+        max_num_segments = initial_state.shape[-4]
+    if max_num_segments <= 0:
+        raise ValueError("max_num_segments must be positive")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if tuple(a_log.shape) != (H,) or tuple(delta_time_bias.shape) != (H * K,):
+        raise ValueError("gate parameters must match the head and key dimensions")
+    if initial_state is not None:
+        if tuple(initial_state.shape) not in ((B, max_num_segments, H, K, V), (max_num_segments, H, K, V)):
+            raise ValueError("initial_state shape must match batch, segments, heads, K and V")
+        if initial_state.dtype != jnp.float32:
+            raise ValueError("initial_state must use float32")
+        if initial_state.ndim == 4:  # one set of states for every batch row
+            initial_state = jnp.broadcast_to(initial_state[None], (B,) + tuple(initial_state.shape))
+    a_log = jnp.minimum(a_log, jnp.asarray(80.0, dtype=a_log.dtype))
+    hf = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, T, H, ...] -> [H, B, T, ...]
+    o, final_state = kimi_delta_attention(
+        hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), a_log=a_log, delta_time_bias=delta_time_bias,
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=True,
+        use_gate_in_kernel=True, segment_ids=segment_ids, lower_bound=lower_bound,
+        max_num_segments=max_num_segments)
+    return jnp.moveaxis(o, 0, 2), final_state
+
+
+inference = types.ModuleType(__name__ + ".inference",
+                             "Tokamax's standalone KDA inference API (experimental/kda/inference.py) on libkda.")
+inference.kimi_delta_attention_inference = kimi_delta_attention_inference
+sys.modules[inference.__name__] = inference  # `from libkda.jax import inference`

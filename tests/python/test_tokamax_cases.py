@@ -846,3 +846,122 @@ class TestBatchFirstApiTest:
         q, k, v, g, beta, _ = _make_inputs_batch_first(jnp.float32)
         with pytest.raises(NotImplementedError, match="Only XLA"):
             kda_api.kimi_delta_attention(q, k, v, g, beta, implementation="mosaic_tpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Ant Group fork's standalone inference API: tokamax/_src/ops/experimental/kda/inference_test.py
+# (github.com/antgroup/tokamax @6e2b3721), on libkda.jax.inference.kimi_delta_attention_inference.
+# Its reference is api.kimi_delta_attention(implementation="xla") -- libkda's kernels here -- so
+# each case also compares with the float64 recurrence at the same tolerances. `_assert_close` is
+# the fork's helper (pallas_mosaic_tpu_fwd_fused_test.py): same tree, shapes, dtypes, finite
+# values, then assert_allclose(rtol=atol=tolerance).
+# ---------------------------------------------------------------------------------------------
+
+def _inference_assert_close(actual, expected, *, tolerance):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert a.shape == b.shape
+        assert a.dtype == b.dtype
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.isfinite(a).all()
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance)
+
+
+def _inference_expected(q, k, v, g, beta, **kw):
+    """api.kimi_delta_attention(implementation="xla") on head-first transposes, as the test calls
+    it, and the float64 recurrence on the same inputs (cast as Tokamax's reference casts)."""
+    hf = [x.transpose(2, 0, 1, 3) for x in (q, k, v, g)] + [beta.transpose(2, 0, 1)]
+    xla = kj.kimi_delta_attention(*hf, **kw, implementation="xla")
+    ref_kw = {n: x for n, x in kw.items() if n != "segment_ids"}
+    seg = kw["segment_ids"]
+    if np.ndim(seg) == 1:
+        seg = np.broadcast_to(np.asarray(seg)[None], (q.shape[0], np.shape(seg)[0]))
+    out, fs = _run_reference(*hf, segment_ids=seg, **ref_kw)
+    ref = (jnp.asarray(out), None if fs is None else jnp.asarray(fs, jnp.float32))
+    return xla, ref
+
+
+class TestInferenceTest:
+    """tokamax/_src/ops/experimental/kda/inference_test.py (antgroup/tokamax)."""
+
+    @pytest.mark.parametrize("lengths", [(64, 64), (17, 79), (1, 62, 2), (0, 0), (1,) * 9])
+    @pytest.mark.parametrize("states", [False, True])
+    def test_inference(self, lengths, states):
+        h, b, t, d = 2, 1, 128, 128
+        keys = jax.random.split(jax.random.key(19), 6)
+        q, k, v, g = [jax.random.normal(key, (b, t, h, d)).astype(jnp.bfloat16) for key in keys[:4]]
+        beta = jnp.full((b, t, h), 0.5, jnp.bfloat16)
+        ids = np.zeros((b, t), np.int32)
+        start = 0
+        for i, length in enumerate(lengths):
+            ids[:, start:start + length] = i + 1
+            start += length
+        ids = jnp.array(ids)
+        n = len(lengths) + 1
+        h0 = jax.random.normal(keys[4], (b, n, h, d, d)) * 0.1 if states else None
+        alog = jnp.zeros((h,), jnp.float32)
+        bias = jnp.full((h * d,), -2.0, jnp.float32)
+        actual = kj.inference.kimi_delta_attention_inference(
+            q, k, v, g, beta, segment_ids=ids, a_log=alog, delta_time_bias=bias, initial_state=h0,
+            output_final_state=states, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+            max_num_segments=n)
+        jax.block_until_ready(actual)
+        kw = dict(segment_ids=ids, a_log=alog, delta_time_bias=bias, initial_state=h0, output_final_state=states,
+                  use_qk_l2norm=True, use_gate_in_kernel=True, lower_bound=-5.0, max_num_segments=n)
+        for expected in _inference_expected(q, k, v, g, beta, **kw):
+            _inference_assert_close((actual[0].transpose(2, 0, 1, 3), actual[1]), expected, tolerance=0.05)
+            # A scale-relative check prevents the absolute BF16 tolerance from hiding missing
+            # low-magnitude outputs (for example an omitted middle segment).
+            for a, e in zip(jax.tree.leaves((actual[0].transpose(2, 0, 1, 3), actual[1])),
+                            jax.tree.leaves(expected), strict=True):
+                a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+                assert np.linalg.norm(a - e) <= 0.02 * np.linalg.norm(e) + 1e-6
+        np.testing.assert_array_equal(np.asarray(actual[0])[:, start:], 0)
+
+    @pytest.mark.parametrize("invalid", ["dtype", "normalization", "gate", "bound", "segments", "state_dtype"])
+    def test_reject_unsupported_options(self, invalid):
+        q = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+        beta = jnp.ones((1, 64, 2), jnp.bfloat16)
+        kwargs = dict(segment_ids=jnp.ones((1, 64), jnp.int32), a_log=jnp.zeros((2,)),
+                      delta_time_bias=jnp.zeros((256,)), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                      lower_bound=-5.0, max_num_segments=1)
+        if invalid == "dtype":
+            q = q.astype(jnp.float32)
+        if invalid == "normalization":
+            kwargs["use_qk_l2norm_in_kernel"] = False
+        if invalid == "gate":
+            kwargs["use_gate_in_kernel"] = False
+        if invalid == "bound":
+            kwargs["lower_bound"] = -6.0
+        if invalid == "segments":
+            kwargs["max_num_segments"] = 0
+        if invalid == "state_dtype":
+            kwargs["initial_state"] = jnp.zeros((1, 1, 2, 128, 128), jnp.bfloat16)
+        with pytest.raises(ValueError):
+            kj.inference.kimi_delta_attention_inference(q, q, q, q, beta, **kwargs)
+
+    @pytest.mark.parametrize("batch", [1, 3])
+    def test_inference_shared_segment_map(self, batch):
+        """A 1D [T] segment_ids must work for every batch size (the head-first API's too)."""
+        h, t, d = 2, 128, 128
+        keys = jax.random.split(jax.random.key(53), 6)
+        q, k, v, g = [jax.random.normal(key, (batch, t, h, d)).astype(jnp.bfloat16) for key in keys[:4]]
+        beta = jnp.full((batch, t, h), 0.5, jnp.bfloat16)
+        lengths = (64, 64)
+        ids_1d = np.zeros((t,), np.int32)
+        start = 0
+        for i, length in enumerate(lengths):
+            ids_1d[start:start + length] = i + 1
+            start += length
+        n = len(lengths) + 1
+        alog = jnp.zeros((h,), jnp.float32)
+        bias = jnp.full((h * d,), -2.0, jnp.float32)
+        actual = kj.inference.kimi_delta_attention_inference(
+            q, k, v, g, beta, segment_ids=jnp.array(ids_1d), a_log=alog, delta_time_bias=bias,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, max_num_segments=n)
+        jax.block_until_ready(actual)
+        kw = dict(segment_ids=jnp.array(ids_1d), a_log=alog, delta_time_bias=bias, use_qk_l2norm=True,
+                  use_gate_in_kernel=True, lower_bound=-5.0, max_num_segments=n)
+        for expected in _inference_expected(q, k, v, g, beta, **kw):
+            _inference_assert_close((actual[0].transpose(2, 0, 1, 3), actual[1]), expected, tolerance=0.05)
