@@ -718,9 +718,7 @@ def kimi_delta_attention_inference(q, k, v, g, beta, *, segment_ids, a_log=None,
     if q.shape[1] % 64:
         raise ValueError("T must be padded to a multiple of 64")
     segment_ids = jnp.asarray(segment_ids)
-    if segment_ids.ndim == 1:
-        segment_ids = jnp.broadcast_to(segment_ids[None, :], (q.shape[0], segment_ids.shape[0]))
-    if segment_ids.shape != q.shape[:2]:
+    if segment_ids.shape not in (q.shape[:2], q.shape[1:2]):  # [T]: kimi_delta_attention broadcasts it
         raise ValueError(f"segment_ids must have shape {q.shape[:2]}, got {segment_ids.shape}")
     if segment_ids.dtype != jnp.int32:
         raise ValueError(f"segment_ids must use int32, got {segment_ids.dtype}")
