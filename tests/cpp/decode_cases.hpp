@@ -36,6 +36,8 @@ inline std::vector<DecodeCase> decode_option_cases() {
       {"logdecay_f32", DType::kF32, Gate::kLogDecay, true, false, false, StateLayout::kKFirst, 2, 2, 32, 32},
       {"softplus_grouped_vfirst", DType::kF32, Gate::kSoftplus, true, false, false, StateLayout::kVFirst, 2, 4, 48, 24},
       {"lowerbound_beta_sigmoid", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kKFirst, 1, 2, 60, 100},
+      // V-first rows of 60 floats: the in-place kernel's partial-vector path (masked loads, last line).
+      {"lowerbound_vfirst_k60", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kVFirst, 1, 2, 60, 100},
       {"no_l2norm_bf16", DType::kBF16, Gate::kLogDecay, false, false, false, StateLayout::kVFirst, 1, 1, 128, 128},
       {"f16_softplus", DType::kF16, Gate::kSoftplus, true, true, false, StateLayout::kKFirst, 2, 2, 16, 64},
       {"k256_v256_bf16", DType::kBF16, Gate::kLowerBound, true, false, false, StateLayout::kKFirst, 1, 2, 256, 256},
