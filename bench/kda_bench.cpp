@@ -2,7 +2,7 @@
 // section 5 workloads, each next to its baseline in the same run.
 //
 //   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]
-//             [--baseline] [--heads H] [--tokens T] [--batch N]
+//             [--baseline] [--heads H] [--tokens T (decode: per sequence, default 1)] [--batch N]
 //             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
 //
@@ -52,7 +52,7 @@ struct Config {
   std::fprintf(stderr,
                "kda-bench: %s\n"
                "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
-               "                 [--baseline] [--heads H] [--tokens T] [--batch N (decode)]\n"
+               "                 [--baseline] [--heads H] [--tokens T (decode: per sequence)] [--batch N (decode)]\n"
                "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]\n"
                "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
                msg);
@@ -461,11 +461,14 @@ std::vector<Record> decode_suite(const Config& cfg) {
   const std::vector<std::int64_t> batches =
       cfg.batch > 0 ? std::vector<std::int64_t>{cfg.batch} : std::vector<std::int64_t>{1, 16, 64, 256};
   const std::int64_t H = cfg.heads_set ? cfg.heads : 32;
+  // --tokens T: T tokens per sequence in one call (speculative decoding's draft tokens), read from
+  // the slot and written back after the last; the state still moves in and out once.
+  const std::int64_t T = cfg.tokens_set ? cfg.tokens : 1;
   for (std::int64_t N : batches) {
     Workload w;
-    w.B = N, w.T = 1, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype);
-    w.shape = "N=" + std::to_string(N) + " T=1 H=" + std::to_string(H) + " K=" + std::to_string(w.K) +
-              " V=" + std::to_string(w.V);
+    w.B = N, w.T = T, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype);
+    w.shape = "N=" + std::to_string(N) + " T=" + std::to_string(T) + " H=" + std::to_string(H) +
+              " K=" + std::to_string(w.K) + " V=" + std::to_string(w.V);
     Problem pb(cfg, w, false);
     const std::int64_t slots = N;
     Tensor pool(kda::DType::kF32, {slots, w.HV, w.K, w.V}), idx(kda::DType::kI64, {N});
