@@ -58,6 +58,14 @@ inline std::vector<DecodeCase> decode_option_cases() {
     draft.accepted = {1, 2, 4};                           // row 1 reads slot 6, row 2 slot 11
     draft.name = std::string(o.name) + "_draft_tokens";
     out.push_back(draft);
+    // Draft tokens with [N] indices: read the slot, write it back after the last token (in place
+    // for K-first pools with V a multiple of 16, row groups in L1 for V-first ones).
+    DecodeCase last = one;
+    last.c.B = 3, last.c.T = 3;
+    last.slots = 12;
+    last.idx = {4, -1, 9};  // row 1 is padding
+    last.name = std::string(o.name) + "_draft_tokens_row_slots";
+    out.push_back(last);
   }
   return out;
 }
