@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -458,13 +459,14 @@ std::vector<Record> inference_suite(const Config& cfg) {
 // and written per step; main() sets the % of this machine's measured in-place bandwidth.
 std::vector<Record> decode_suite(const Config& cfg) {
   std::vector<Record> recs;
-  const std::vector<std::int64_t> batches =
-      cfg.batch > 0 ? std::vector<std::int64_t>{cfg.batch} : std::vector<std::int64_t>{1, 16, 64, 256};
+  // (batch, tokens per sequence): by default batches 1..256 with one token, and batch 64 with 4
+  // draft tokens (speculative decoding), read from the slot and written back after the last (the
+  // state still moves in and out once). --batch and --tokens pick one pair.
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes;
+  if (cfg.batch > 0 || cfg.tokens_set) shapes = {{cfg.batch > 0 ? cfg.batch : 64, cfg.tokens_set ? cfg.tokens : 1}};
+  else shapes = {{1, 1}, {16, 1}, {64, 1}, {256, 1}, {64, 4}};
   const std::int64_t H = cfg.heads_set ? cfg.heads : 32;
-  // --tokens T: T tokens per sequence in one call (speculative decoding's draft tokens), read from
-  // the slot and written back after the last; the state still moves in and out once.
-  const std::int64_t T = cfg.tokens_set ? cfg.tokens : 1;
-  for (std::int64_t N : batches) {
+  for (const auto& [N, T] : shapes) {
     Workload w;
     w.B = N, w.T = T, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype);
     w.shape = "N=" + std::to_string(N) + " T=" + std::to_string(T) + " H=" + std::to_string(H) +
