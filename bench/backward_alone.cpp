@@ -3,10 +3,11 @@
 // with lower_bound = -5, qk l2norm), for side-by-side A/B runs of one kernel: kda-bench times the
 // training step as a whole. The forward runs once first to fill the residual.
 //
-//   kda-backward-alone [backward|forward] [--head-first] [--iters N] [--tokens T] [--heads H]
+//   kda-backward-alone [backward|forward] [--head-first] [--v-new] [--iters N] [--tokens T] [--heads H]
 //
 // --head-first lays q, k, v, g, d_o and the gradients out as [B, H, T, D] (rows of one head
 // contiguous, which the hardware prefetcher streams): the bound for token-row prefetching.
+// --v-new adds the forward's v_new to the residual (the backward reads Vn instead of forming it).
 // Prints the min and median milliseconds.
 #include <kda/kda.hpp>
 
@@ -44,7 +45,7 @@ void check(const kda::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool backward = true, head_first_layout = false;
+  bool backward = true, head_first_layout = false, with_v_new = false;
   int iters = 5;
   std::int64_t T = 8192, H = 32;
   for (int i = 1; i < argc; ++i) {
@@ -52,12 +53,13 @@ int main(int argc, char** argv) {
     if (a == "backward") backward = true;
     else if (a == "forward") backward = false;
     else if (a == "--head-first") head_first_layout = true;
+    else if (a == "--v-new") with_v_new = true;
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else if (a == "--tokens" && i + 1 < argc) T = std::max(1, std::atoi(argv[++i]));
     else if (a == "--heads" && i + 1 < argc) H = std::max(1, std::atoi(argv[++i]));
     else {
       std::fprintf(stderr,
-                   "usage: kda-backward-alone [backward|forward] [--head-first] [--iters N] [--tokens T] [--heads H]\n");
+                   "usage: kda-backward-alone [backward|forward] [--head-first] [--v-new] [--iters N] [--tokens T] [--heads H]\n");
       return 2;
     }
   }
@@ -82,6 +84,8 @@ int main(int argc, char** argv) {
   check(kda::forward_chunk_count(f, &nc));
   Tensor states(f32, {nc, H, K, V});
   if (backward) f.chunk_states = states.view;  // the forward alone is timed without a residual
+  Tensor v_new(f32, {B, T, H, V});
+  if (backward && with_v_new) f.v_new = v_new.view;
   Tensor d_o = token_rows({B, T, H, V}), dq = token_rows({B, T, H, K}), dk = token_rows({B, T, H, K}),
          dv = token_rows({B, T, H, V}), dg = token_rows({B, T, H, K});
   Tensor dht(f32, {B, H, K, V}), dbeta(bf16, {B, T, H}), dh0(f32, {B, H, K, V}), dA_log(f32, {H}),

@@ -41,6 +41,13 @@ struct ForwardParams {
   // and, inside a segment, from its first token (the chunk grid restarts at every segment).
   // This is the saved-state residual of the backward and the prefix-caching output.
   TensorView chunk_states;
+  // Optional output: the delta of every token, fp32 [B, T, HV, V] (the shape of o),
+  //   v_new_t = beta_t (v_t - S~_t^T k_t),  S~_t = diag(e^g_t) S_{t-1}   (SPEC.md 1.1),
+  // the Vn = U - W S0 rows of the chunk form (SPEC.md 2). Padding tokens get zero rows. Given to
+  // the backward with the forward's params, it replaces the W S0 product of the backward's
+  // recomputation (with saved chunk_states or rematerialized states alike); FLA keeps the same
+  // tensor with disable_recompute=True.
+  TensorView v_new;
   Options options;
 };
 

@@ -404,6 +404,14 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
     p.chunk_addr.stride_k = kfirst ? t.strides[2] : t.strides[3];
     p.chunk_addr.stride_v = kfirst ? t.strides[3] : t.strides[2];
   }
+  if (prm.v_new.defined()) {
+    KDA_RETURN_IF_ERROR(check_shape("v_new", prm.v_new, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"));
+    if (prm.v_new.dtype != DType::kF32 && !(oracle && prm.v_new.dtype == DType::kF64)) {
+      return fail("argument 'v_new': expected dtype float32", oracle ? " (or float64 for the oracle)" : "", ", got ",
+                  dtype_name(prm.v_new.dtype));
+    }
+    if (!backward) KDA_RETURN_IF_ERROR(check_writable("v_new", prm.v_new));
+  }
   if (prm.final_state.defined() && !backward) {
     KDA_RETURN_IF_ERROR(check_state("final_state", prm.final_state, p, per_row, has_ids, lead, kfirst, &p.final_addr));
     if (prm.final_state.dtype != DType::kF32 && !(oracle && prm.final_state.dtype == DType::kF64)) {

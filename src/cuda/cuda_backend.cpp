@@ -222,7 +222,8 @@ bool is_device_pointer(const void* p) { return pointer_info(p).device; }
 
 bool uses_device(const ForwardParams& f) {
   for (const TensorView* t : {&f.q, &f.k, &f.v, &f.g, &f.beta, &f.A_log, &f.dt_bias, &f.cu_seqlens, &f.segment_ids,
-                              &f.initial_state, &f.initial_state_indices, &f.o, &f.final_state, &f.chunk_states})
+                              &f.initial_state, &f.initial_state_indices, &f.o, &f.final_state, &f.chunk_states,
+                              &f.v_new})
     if (t->defined() && is_device_pointer(t->data)) return true;
   return false;
 }
@@ -242,6 +243,9 @@ bool uses_device(const DecodeParams& d) {
 }
 
 std::optional<std::string> why_unsupported_cuda(const ForwardParams& params) {
+  // v_new is the CPU backward's residual; the CUDA forward does not form it as rows yet.
+  if (params.v_new.defined())
+    return std::string("kda (CUDA): argument 'v_new' is not supported by the CUDA forward yet (the CPU backend writes it)");
   return why_unsupported_sizes(params.q.shape[3], params.v.shape[3]);
 }
 

@@ -65,6 +65,12 @@ Status reference_forward(const ForwardParams& prm) {
         for (std::int64_t i = 0; i < K; ++i) acc += S[i * V + j] * kt[i];
         r[j] = load_as<double>(v.data, v.dtype, b * v.strides[0] + t * v.strides[1] + hv * v.strides[2] + j * v.strides[3]) - acc;
       }
+      // the token's delta v_new = beta r (ForwardParams::v_new)
+      const auto& vn = prm.v_new;
+      if (vn.defined())
+        for (std::int64_t j = 0; j < V; ++j)
+          store_from<double>(vn.data, vn.dtype, b * vn.strides[0] + t * vn.strides[1] + hv * vn.strides[2] + j * vn.strides[3],
+                             bt * r[j]);
       // 3. rank-1 write; 4. readout after the write
       for (std::int64_t i = 0; i < K; ++i)
         for (std::int64_t j = 0; j < V; ++j) S[i * V + j] += bt * kt[i] * r[j];
@@ -84,12 +90,16 @@ Status reference_forward(const ForwardParams& prm) {
                              S[i * V + j]);
     }
   }
-  // Padding tokens: output 0 (SPEC.md 1.2).
-  for (const auto& pad : p.padding)
-    for (std::int64_t t = pad.start; t < pad.end; ++t)
-      for (std::int64_t hv = 0; hv < p.HV; ++hv)
-        for (std::int64_t j = 0; j < V; ++j)
-          store_from<double>(o.data, o.dtype, pad.batch * o.strides[0] + t * o.strides[1] + hv * o.strides[2] + j * o.strides[3], 0.0);
+  // Padding tokens: output 0 (SPEC.md 1.2), and v_new 0.
+  for (const TensorView* out : {&o, &prm.v_new}) {
+    if (!out->defined()) continue;
+    const TensorView& x = *out;
+    for (const auto& pad : p.padding)
+      for (std::int64_t t = pad.start; t < pad.end; ++t)
+        for (std::int64_t hv = 0; hv < p.HV; ++hv)
+          for (std::int64_t j = 0; j < V; ++j)
+            store_from<double>(x.data, x.dtype, pad.batch * x.strides[0] + t * x.strides[1] + hv * x.strides[2] + j * x.strides[3], 0.0);
+  }
   return {};
 }
 

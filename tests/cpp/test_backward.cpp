@@ -1,5 +1,5 @@
 // The chunked backward against the fp64 adjoint oracle (SPEC.md section 4 gradient bounds), for
-// both residual policies, over the forward's matrix; and its exact contracts.
+// the residual policies (saved states, rematerialized, saved states with v_new), over the forward's matrix; and its exact contracts.
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -47,11 +47,12 @@ TEST_P(BackwardMatrix, MatchesAdjointOracle) {
 INSTANTIATE_TEST_SUITE_P(Backward, BackwardMatrix,
                          ::testing::Combine(::testing::ValuesIn(kBwdCases),
                                             ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                                            ::testing::Values(Residuals::kSaved, Residuals::kRemat)),
+                                            ::testing::Values(Residuals::kSaved, Residuals::kRemat,
+                                                              Residuals::kSavedVNew)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).name) + "_" +
                                   dtype_name(std::get<1>(info.param)) + "_" +
-                                  (std::get<2>(info.param) == Residuals::kSaved ? "saved" : "remat");
+                                  residuals_name(std::get<2>(info.param));
                          });
 
 // With bf16 inputs the fused backward runs its state products as bf16 dot products (where the

@@ -195,10 +195,11 @@ INSTANTIATE_TEST_SUITE_P(
                                          VarlenBwd{"five_mixed", {0, 15, 100, 300, 1200, 2000}},
                                          VarlenBwd{"lengths_1_to_8", {0, 1, 3, 6, 10, 15, 21, 28, 36}},
                                          VarlenBwd{"empty_segments", {0, 0, 10, 10, 75, 75, 140}}),
-                       ::testing::Values(DType::kF32, DType::kBF16), ::testing::Values(Residuals::kSaved, Residuals::kRemat)),
+                       ::testing::Values(DType::kF32, DType::kBF16),
+                       ::testing::Values(Residuals::kSaved, Residuals::kRemat, Residuals::kRematVNew)),
     [](const auto& info) {
       return std::string(std::get<0>(info.param).name) + "_" + dtype_name(std::get<1>(info.param)) + "_" +
-             (std::get<2>(info.param) == Residuals::kSaved ? "saved" : "remat");
+             residuals_name(std::get<2>(info.param));
     });
 
 TEST(BackwardVarlenIds, BroadcastSegmentMapOverBatch) {
@@ -324,8 +325,13 @@ TEST_P(StagedBackward, EqualsFusedToRounding) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BackwardExact, StagedBackward,
-                         ::testing::Combine(::testing::Values(Residuals::kSaved, Residuals::kRemat),
-                                            ::testing::Values(64, 32, 16)));
+                         ::testing::Combine(::testing::Values(Residuals::kSaved, Residuals::kRemat,
+                                                              Residuals::kSavedVNew),
+                                            ::testing::Values(64, 32, 16)),
+                         [](const auto& info) {
+                           return std::string(residuals_name(std::get<0>(info.param))) + "_chunk" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(BackwardStaged, MatchesAdjointOracleWithPadding) {
   Case c;

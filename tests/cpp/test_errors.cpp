@@ -58,6 +58,15 @@ std::vector<ErrorCase> error_cases() {
       {"final_state_dtype", [](ForwardParams& p, Inputs& in) {
          in.h0 = HostTensor(DType::kBF16, {1, 4, 16, 24}); p.final_state = in.h0.view; },
        {"'final_state'", "float32", "bfloat16"}},
+      {"v_new_shape", [](ForwardParams& p, Inputs& in) {
+         in.h0 = HostTensor(DType::kF32, {1, 20, 4, 16}); p.v_new = in.h0.view; },
+       {"'v_new'", "[1, 20, 4, 24]", "[1, 20, 4, 16]"}},
+      {"v_new_dtype", [](ForwardParams& p, Inputs& in) {
+         in.h0 = HostTensor(DType::kBF16, {1, 20, 4, 24}); p.v_new = in.h0.view; },
+       {"'v_new'", "float32", "bfloat16"}},
+      {"v_new_broadcast", [](ForwardParams& p, Inputs& in) {
+         in.h0 = HostTensor(DType::kF32, {1, 20, 4, 24}); p.v_new = in.h0.view; p.v_new.strides[1] = 0; },
+       {"'v_new'", "zero (broadcast) stride"}},
       {"vfirst_state_shape", [](ForwardParams& p, Inputs&) { p.options.state_layout = StateLayout::kVFirst; },
        {"'final_state'", "[B, HV, V, K]", "[1, 4, 24, 16]"}},
       {"both_sequence_descriptions", [](ForwardParams& p, Inputs& in) {

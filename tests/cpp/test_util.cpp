@@ -203,7 +203,7 @@ ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTe
   return p;
 }
 
-Outputs run_forward(const Case& c, const Inputs& in, bool oracle) {
+Outputs run_forward(const Case& c, const Inputs& in, bool oracle, bool want_v_new) {
   const DType out_dtype = oracle ? DType::kF64 : c.dtype;
   const DType state_dtype = oracle ? DType::kF64 : DType::kF32;
   const std::int64_t n = c.num_states();
@@ -213,11 +213,18 @@ Outputs run_forward(const Case& c, const Inputs& in, bool oracle) {
                                                    : HostTensor(state_dtype, {n, c.HV, c.V, c.K});
   ht.fill(12345.0);
   ForwardParams p = make_params(c, in, o, ht);
+  HostTensor v_new;
+  if (want_v_new) {
+    v_new = HostTensor(state_dtype, {c.B, c.T, c.HV, c.V});
+    v_new.fill(12345.0);
+    p.v_new = v_new.view;
+  }
   Status s = oracle ? reference_forward(p) : chunk_forward(p);
   EXPECT_TRUE(s.ok()) << s.message() << "\n" << c.describe();
   Outputs out;
   out.o = o.to_double();
   if (c.final_state) out.ht = ht.to_double();
+  if (want_v_new) out.v_new = v_new.to_double();
   return out;
 }
 
@@ -280,26 +287,33 @@ Cotangents make_cotangents(const Case& c, std::uint32_t seed) {
 
 
 Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle, Residuals residuals,
-                   bool want_dh0) {
+                   bool want_dh0, Path producer_path) {
   const DType gd = oracle ? DType::kF64 : c.dtype;
   const DType fd = oracle ? DType::kF64 : DType::kF32;
   const std::int64_t n = c.num_states();
   HostTensor o(gd, {c.B, c.T, c.HV, c.V}), ht(fd, {1});
   ForwardParams fwd = make_params(c, in, o, ht);
   fwd.final_state = TensorView{};
-  HostTensor states;
-  if (!oracle && residuals == Residuals::kSaved) {
+  HostTensor states, v_new;
+  const bool keep_states = residuals == Residuals::kSaved || residuals == Residuals::kSavedVNew;
+  const bool keep_v_new = residuals == Residuals::kSavedVNew || residuals == Residuals::kRematVNew;
+  if (!oracle && keep_states) {
     std::int64_t nc = 0;
-    Status s = forward_chunk_count(fwd, &nc);
+    const Status s = forward_chunk_count(fwd, &nc);
     EXPECT_TRUE(s.ok()) << s.message();
     states = c.layout == StateLayout::kKFirst ? HostTensor(DType::kF32, {nc, c.HV, c.K, c.V})
                                               : HostTensor(DType::kF32, {nc, c.HV, c.V, c.K});
     fwd.chunk_states = states.view;
-    // The residual always comes from the fused forward, so backward paths compared with each
-    // other start from bitwise the same saved states.
+  }
+  if (!oracle && keep_v_new) {
+    v_new = HostTensor(DType::kF32, {c.B, c.T, c.HV, c.V});
+    v_new.fill(12345.0);  // every row is written (padding rows with zeros)
+    fwd.v_new = v_new.view;
+  }
+  if (!oracle && (keep_states || keep_v_new)) {
     ForwardParams producer = fwd;
-    producer.options.path = Path::kFused;
-    s = chunk_forward(producer);
+    producer.options.path = producer_path;
+    const Status s = chunk_forward(producer);
     EXPECT_TRUE(s.ok()) << s.message();
   }
   BackwardParams bp;

@@ -132,6 +132,7 @@ Inputs make_inputs(const Case& c);
 struct Outputs {
   std::vector<double> o;   // [B, T, HV, V]
   std::vector<double> ht;  // state shape of the case, in its layout
+  std::vector<double> v_new;  // [B, T, HV, V] when asked for
 };
 
 // Inputs of one sequence (B = 1, T = len, fixed length) cut from tokens [start, start + len)
@@ -142,8 +143,9 @@ Inputs slice_sequence(const Case& c, const Inputs& in, std::int64_t b, std::int6
 // Fills the forward params of a case (views into `in` and the output tensors).
 ForwardParams make_params(const Case& c, const Inputs& in, HostTensor& o, HostTensor& ht);
 
-// Runs chunk_forward (oracle=false) or reference_forward (oracle=true, fp64 outputs).
-Outputs run_forward(const Case& c, const Inputs& in, bool oracle);
+// Runs chunk_forward (oracle=false) or reference_forward (oracle=true, fp64 outputs), with the
+// v_new output when `want_v_new`.
+Outputs run_forward(const Case& c, const Inputs& in, bool oracle, bool want_v_new = false);
 
 // Backward: cotangents of o and the final state, and every gradient as doubles.
 struct Cotangents {
@@ -151,16 +153,28 @@ struct Cotangents {
 };
 Cotangents make_cotangents(const Case& c, std::uint32_t seed);
 
-enum class Residuals { kSaved, kRemat };
+// What the forward keeps for the backward: its chunk states (kSaved), nothing (kRemat), or either
+// plus the token deltas v_new (ForwardParams::v_new).
+enum class Residuals { kSaved, kRemat, kSavedVNew, kRematVNew };
+inline const char* residuals_name(Residuals r) {
+  switch (r) {
+    case Residuals::kSaved: return "saved";
+    case Residuals::kRemat: return "remat";
+    case Residuals::kSavedVNew: return "saved_vnew";
+    case Residuals::kRematVNew: return "remat_vnew";
+  }
+  return "?";
+}
 
 struct Grads {
   std::vector<double> dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
 };
 
-// Runs chunk_forward (+ chunk_states for kSaved) then chunk_backward, or the fp64 adjoint
-// oracle. dh0 is requested when the case has an initial state or when `want_dh0`.
+// Runs chunk_forward (+ chunk_states and v_new as `residuals` asks) then chunk_backward, or the
+// fp64 adjoint oracle. The residual comes from the forward of `producer` (the fused path unless
+// told), so backward paths compared with each other start from bitwise the same residual. dh0 is requested when the case has an initial state or when `want_dh0`.
 Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle,
-                   Residuals residuals = Residuals::kSaved, bool want_dh0 = false);
+                   Residuals residuals = Residuals::kSaved, bool want_dh0 = false, Path producer = Path::kFused);
 
 // SPEC.md section 4 bounds for gradients.
 inline double grad_bound(DType dtype, bool param_like) {
