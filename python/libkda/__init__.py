@@ -201,14 +201,15 @@ def _run(entry, oracle, q, k, v, g, beta, *, output_final_state, return_intermed
     return (o, final_state, h) if return_intermediate_states else (o, final_state)
 
 
-_RESIDUALS = ("saved", "remat")
+_RESIDUALS = ("saved", "remat", "saved+v_new", "remat+v_new")
 
 
 def _run_fwd_bwd(forward, backward, oracle, q, k, v, g, beta, do, dht, *, residuals, output_final_state,
                  **opts):
     """The forward (o, final_state) then the backward; see chunk_kda_fwd_bwd."""
     if not isinstance(residuals, str) or residuals not in _RESIDUALS:
-        raise ValueError(f"kda: argument 'residuals': expected 'saved' or 'remat', got {residuals!r}")
+        raise ValueError("kda: argument 'residuals': expected one of "
+                         f"{', '.join(repr(r) for r in _RESIDUALS)}, got {residuals!r}")
     fl = _FLOAT_NAMES + (" (or float64 for the oracle)" if oracle else "")
     args = _inputs(oracle, q, k, v, g, beta, **opts)
     do_arg = _wrap("do", do, _FLOAT_CODES, fl, optional=False)
@@ -221,11 +222,16 @@ def _run_fwd_bwd(forward, backward, oracle, q, k, v, g, beta, do, dht, *, residu
 
     # Saved-state policy (SPEC.md section 3): the forward writes the state entering every chunk
     # and the backward reads it. The token-by-token oracle has no chunks: it ignores the policy.
-    chunk_states = None
-    if residuals == "saved" and not oracle:
+    # With "+v_new" it also writes every token's delta (float32, o's shape), which the backward
+    # reads instead of recomputing it.
+    chunk_states = v_new = None
+    if residuals.startswith("saved") and not oracle:
         chunk_states = _chunk_states(args, o_arg, fs_arg, q, v, opts["state_v_first"], np.float32)
+    if residuals.endswith("+v_new") and not oracle:
+        v_new = _alloc(o.shape, dtype=np.float32)
     cs_arg = _wrap("chunk_states", chunk_states, _FLOAT_CODES, "float32")
-    forward(**args, o=o_arg, final_state=fs_arg, chunk_states=cs_arg)
+    vn_arg = _wrap("v_new", v_new, _FLOAT_CODES, "float32")
+    forward(**args, o=o_arg, final_state=fs_arg, chunk_states=cs_arg, v_new=vn_arg)
 
     # The forward validated the inputs, so their shapes can be trusted from here on.
     def grad(x, dtype=None):  # a fresh gradient buffer shaped like input x, or None
@@ -240,7 +246,7 @@ def _run_fwd_bwd(forward, backward, oracle, q, k, v, g, beta, do, dht, *, residu
         dA_log=grad(opts["A_log"] if use_gate else None, np.float32),
         ddt_bias=grad(opts["dt_bias"] if use_gate else None, np.float32),
     )
-    backward(**args, chunk_states=cs_arg,
+    backward(**args, chunk_states=cs_arg, v_new=vn_arg,
              d_o=do_arg, d_final_state=dht_arg,
              **{name: _wrap(name, x, _FLOAT_CODES, fl) for name, x in grads.items()})
     return dict(o=o, final_state=final_state, **grads)
@@ -318,7 +324,10 @@ def chunk_kda_fwd_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_sta
     backward's state products too).
     residuals: "saved" (the forward keeps the state entering every chunk, float32
     [NC, HV, K, V] or [NC, HV, V, K] with state_v_first, and the backward reuses it) or "remat"
-    (nothing is kept; the backward recomputes the states). Both give the same gradients.
+    (nothing is kept; the backward recomputes the states); "saved+v_new" / "remat+v_new" also
+    keep every token's delta v_new = beta (v - S~^T k) (float32, o's shape), which spares the
+    backward one state-sized product per token (docs/PERF.md). All four give the same gradients,
+    bit for bit.
 
     Returns a dict: o, final_state (None unless output_final_state or dht is given), and the
     gradients dq, dk, dv, dg, dbeta in the dtype of q, k, v, g, beta (dg and dbeta with respect

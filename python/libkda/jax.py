@@ -44,7 +44,7 @@ for _name, _capsule in _libkda.jax_ffi_targets().items():
 # Bits shared with python/src/jax_ffi.cpp.
 _HAS_A_LOG, _HAS_DT_BIAS, _HAS_SEGMENT_IDS, _HAS_INITIAL_STATE = 1, 2, 4, 8
 _HAS_CHUNK_STATES, _HAS_D_FINAL_STATE, _WANT_DH0, _WANT_DA_LOG, _WANT_DDT_BIAS = 16, 32, 64, 128, 256
-_WANT_FINAL_STATE = 512
+_WANT_FINAL_STATE, _HAS_V_NEW = 512, 1024
 _L2NORM, _GATE, _BETA_SIGMOID, _NEG_EIGVAL, _FP32_PRODUCTS = 1, 2, 4, 8, 32
 
 
@@ -58,7 +58,7 @@ class _Config(NamedTuple):
     num_states: int  # N of the state shape [B, N, HV, K, V]
     segmented: bool
     output_final_state: bool
-    save_states: bool
+    save_states: bool  # the saved-state residual: the chunk states and the token deltas v_new
 
 
 def _present(a_log, dt_bias, initial_state, segment_ids):
@@ -143,24 +143,25 @@ def _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg: 
         present |= _WANT_FINAL_STATE
         out_types.append(jax.ShapeDtypeStruct((B, cfg.num_states, HV, K, V), sdt))
     if cfg.save_states:
-        present |= _HAS_CHUNK_STATES
+        present |= _HAS_CHUNK_STATES | _HAS_V_NEW
         out_types.append(jax.ShapeDtypeStruct((_chunk_capacity(B, T, cfg), HV, K, V), sdt))
+        out_types.append(jax.ShapeDtypeStruct((HV, B, T, V), sdt))  # v_new, laid out like the output
     outs = _varying_call("libkda_kda_forward", out_types, operands, _attrs(cfg, present, oracle))
     o = outs[0]
     final_state = outs[1] if cfg.output_final_state else None
-    chunk_states = outs[-1] if cfg.save_states else None
-    return o, final_state, chunk_states
+    residual = (outs[-2], outs[-1]) if cfg.save_states else None  # (chunk_states, v_new)
+    return o, final_state, residual
 
 
-def _backward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, chunk_states, do, dht, cfg: _Config):
+def _backward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, residual, do, dht, cfg: _Config):
     H, B, T, K = q.shape
     oracle = q.dtype == jnp.float64
     f32 = jnp.float64 if oracle else jnp.float32
     present = _present(a_log, dt_bias, initial_state, segment_ids)
     operands = _operands(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids)
-    if chunk_states is not None:
-        present |= _HAS_CHUNK_STATES
-        operands.append(chunk_states)
+    if residual is not None:  # (chunk_states, v_new)
+        present |= _HAS_CHUNK_STATES | _HAS_V_NEW
+        operands.extend(residual)
     operands.append(do)
     if dht is not None:
         present |= _HAS_D_FINAL_STATE
@@ -208,18 +209,18 @@ def _kda(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg):
 
 
 def _kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg):
-    o, final_state, chunk_states = _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg)
-    residuals = (q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, chunk_states)
+    o, final_state, saved = _forward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, cfg)
+    residuals = (q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, saved)
     return (o, final_state), residuals
 
 
 def _kda_bwd(cfg, residuals, cotangents):
-    q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, chunk_states = residuals
+    q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids, saved = residuals
     do, dht = cotangents
     if not cfg.output_final_state:
         dht = None
     dq, dk, dv, dg, dbeta, da, ddt, dh0 = _backward(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids,
-                                                    chunk_states, do, dht, cfg)
+                                                    saved, do, dht, cfg)
     gate = bool(cfg.flags & _GATE)
     cts = (
         _cast(dq, q), _cast(dk, k), _cast(dv, v), _cast(dg, g), _cast(dbeta, beta),

@@ -16,7 +16,8 @@ Ops (``torch.library``, namespace ``libkda``; each has a fake kernel for ``torch
   libkda::chunk_kda_fwd, libkda::chunk_kda_bwd  -- the chunked forward / backward
   libkda::decode                                -- decode against a state pool, in place
 Autograd is a ``torch.autograd.Function`` over the two chunk ops (``disable_recompute=True``
-keeps the state entering every chunk for the backward, ``False`` rematerializes it). The plain
+keeps the state entering every chunk and every token's delta v_new for the backward, ``False``
+rematerializes them). The plain
 torch reference helpers of FLA's gate.py / naive.py (``fused_kda_gate``, ``naive_kda_gate``,
 ``naive_kda_lowerbound_gate``, ``naive_recurrent_kda``, ``naive_chunk_kda``) are here too, for
 tests. See docs/PYTHON.md for the mapping to FLA and the limitations.
@@ -93,11 +94,12 @@ _lib = torch.library.Library("libkda", "DEF")
 _lib.define(
     "chunk_kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
     "Tensor? initial_state, Tensor? cu_seqlens, float? scale, float? lower_bound, int flags, int chunk_size, "
-    "bool output_final_state, bool save_states) -> (Tensor, Tensor, Tensor)"
+    "bool output_final_state, bool save_states, bool save_v_new=False) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "chunk_kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
-    "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_states, Tensor do, Tensor? dht, float? scale, "
+    "Tensor? initial_state, Tensor? cu_seqlens, Tensor? chunk_states, Tensor? v_new, Tensor do, Tensor? dht, "
+    "float? scale, "
     "float? lower_bound, int flags, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
@@ -107,9 +109,11 @@ _lib.define(
 )
 
 
-def _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state, save_states):
-    """(o shape, final_state shape, chunk_states shape, state dtype) of chunk_kda_fwd. Shared by the
-    CPU and the fake kernel so that they agree exactly."""
+def _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state, save_states, save_v_new):
+    """(o shape, final_state shape, chunk_states shape, v_new shape, state dtype) of chunk_kda_fwd.
+    Shared by the CPU and the fake kernel so that they agree exactly. save_states keeps the chunk
+    states, save_v_new every token's delta v_new (o's shape, float32): the autograd keeps both
+    with FLA's disable_recompute=True, as FLA does."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     oracle = q.dtype == torch.float64
@@ -117,7 +121,8 @@ def _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state, save_st
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     fs = _state_shape(B, N, HV, K, V, flags) if output_final_state else (0,)
     cs = _state_shape(B, _chunk_capacity(B, T, cu_seqlens, chunk_size), HV, K, V, flags) if save_states else (0,)
-    return (B, T, HV, V), fs, cs, state_dtype
+    vn = (B, T, HV, V) if save_v_new else (0,)
+    return (B, T, HV, V), fs, cs, vn, state_dtype
 
 
 def _check_dims(q, v):
@@ -128,31 +133,33 @@ def _check_dims(q, v):
 
 
 def _chunk_kda_fwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
-                       chunk_size, output_final_state, save_states):
+                       chunk_size, output_final_state, save_states, save_v_new=False):
     _check_dims(q, v)
-    o_shape, fs_shape, cs_shape, sdt = _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state,
-                                                   save_states)
+    o_shape, fs_shape, cs_shape, vn_shape, sdt = _fwd_shapes(q, v, cu_seqlens, flags, chunk_size,
+                                                             output_final_state, save_states, save_v_new)
     o = torch.empty(o_shape, dtype=q.dtype)
     fs = torch.empty(fs_shape, dtype=sdt)
     cs = torch.empty(cs_shape, dtype=sdt)
+    vn = torch.empty(vn_shape, dtype=sdt)
     nc = _raw_forward(
         1 if q.dtype == torch.float64 else 0,
         (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(A_log),
          _desc(dt_bias), _desc(cu_seqlens), None, _desc(initial_state),
          None, _desc(o), _desc(fs) if output_final_state else None,
-         _desc(cs) if save_states else None),
+         _desc(cs) if save_states else None, _desc(vn) if save_v_new else None),
         0, _f(scale), _f(lower_bound), flags, chunk_size, 0, 0)
     if save_states and nc < cs.shape[0]:
         cs[nc:].zero_()  # the capacity's unused tail: deterministic contents
-    return o, fs, cs
+    return o, fs, cs, vn
 
 
 def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
-                        chunk_size, output_final_state, save_states):
+                        chunk_size, output_final_state, save_states, save_v_new=False):
     _check_dims(q, v)
-    o_shape, fs_shape, cs_shape, sdt = _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state,
-                                                   save_states)
-    return q.new_empty(o_shape), q.new_empty(fs_shape, dtype=sdt), q.new_empty(cs_shape, dtype=sdt)
+    o_shape, fs_shape, cs_shape, vn_shape, sdt = _fwd_shapes(q, v, cu_seqlens, flags, chunk_size,
+                                                             output_final_state, save_states, save_v_new)
+    return (q.new_empty(o_shape), q.new_empty(fs_shape, dtype=sdt), q.new_empty(cs_shape, dtype=sdt),
+            q.new_empty(vn_shape, dtype=sdt))
 
 
 def _bwd_dtypes(q, k, v, g, beta, initial_state, A_log, dt_bias, flags):
@@ -173,8 +180,8 @@ def _bwd_dtypes(q, k, v, g, beta, initial_state, A_log, dt_bias, flags):
     ]
 
 
-def _chunk_kda_bwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states, do, dht, scale,
-                       lower_bound, flags, chunk_size):
+def _chunk_kda_bwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states, v_new, do, dht,
+                       scale, lower_bound, flags, chunk_size):
     _check_dims(q, v)
     grads = [torch.empty(shape, dtype=dt) for shape, dt in _bwd_dtypes(q, k, v, g, beta, initial_state, A_log,
                                                                          dt_bias, flags)]
@@ -183,11 +190,13 @@ def _chunk_kda_bwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqle
     oracle = q.dtype == torch.float64
     if chunk_states is not None and chunk_states.numel() == 0:
         chunk_states = None
+    if v_new is not None and v_new.numel() == 0:
+        v_new = None
     _raw_backward(
         1 if oracle else 0,
         (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(A_log),
          _desc(dt_bias), _desc(cu_seqlens), None, _desc(initial_state),
-         None, None, None, _desc(chunk_states),
+         None, None, None, _desc(chunk_states), _desc(v_new),
          _desc(do), _desc(dht),
          _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta),
          _desc(dh0) if initial_state is not None else None,
@@ -197,8 +206,8 @@ def _chunk_kda_bwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqle
     return dq, dk, dv, dg, dbeta, dh0, dA, ddt
 
 
-def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states, do, dht, scale,
-                        lower_bound, flags, chunk_size):
+def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states, v_new, do, dht,
+                        scale, lower_bound, flags, chunk_size):
     _check_dims(q, v)
     return tuple(q.new_empty(shape, dtype=dt)
                  for shape, dt in _bwd_dtypes(q, k, v, g, beta, initial_state, A_log, dt_bias, flags))
@@ -272,18 +281,19 @@ def _eager_ok(*tensors):
 
 def _chunk_grads(saved, opts, do, dht, need):
     """The 15 input gradients of chunk_kda_fwd from the C++ backward (SPEC.md section 2).
-    saved: (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states or None);
+    saved: (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_states or None,
+    v_new or None);
     opts: (scale, lower_bound, flags, chunk_size, output_final_state); need: needs_input_grad."""
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs = saved
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, vn = saved
     scale, lower_bound, flags, chunk_size, output_final_state = opts
     if do is None:
         do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
     if not output_final_state:
         dht = None
-    bwd = _chunk_kda_bwd_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, do,
-                                          dht) else _bwd_op
-    dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, do,
-                                              dht, scale, lower_bound, flags, chunk_size)
+    bwd = _chunk_kda_bwd_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, vn,
+                                          do, dht) else _bwd_op
+    dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, vn,
+                                              do, dht, scale, lower_bound, flags, chunk_size)
     gate = bool(flags & _GATE)
     return (
         dq.to(q.dtype) if need[0] else None,
@@ -300,18 +310,18 @@ def _chunk_grads(saved, opts, do, dht, need):
 
 class ChunkKDAFunction(torch.autograd.Function):
     """Autograd of the chunked forward through the C++ backward (SPEC.md section 2). With
-    save_states the forward keeps the state entering every chunk (saved-state residual);
-    without, the backward rematerializes the states (SPEC.md section 3). Arguments are those of
+    save_states the forward keeps the state entering every chunk and every token's delta v_new
+    (saved-state residual); without, the backward rematerializes them (SPEC.md section 3). Arguments are those of
     libkda::chunk_kda_fwd; returns (o, final_state or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
                 chunk_size, output_final_state, save_states):
         fwd = _chunk_kda_fwd_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) else _fwd_op
-        o, fs, cs = fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
-                        chunk_size, output_final_state, save_states)
+        o, fs, cs, vn = fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
+                            chunk_size, output_final_state, save_states, save_states)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                              cs if save_states else None)
+                              cs if save_states else None, vn if save_states else None)
         ctx.opts = (scale, lower_bound, flags, chunk_size, output_final_state)
         if output_final_state:
             return o, fs
@@ -322,18 +332,19 @@ class ChunkKDAFunction(torch.autograd.Function):
         return _chunk_grads(ctx.saved_tensors, ctx.opts, do, dht, ctx.needs_input_grad)
 
 
-# The same autograd on the op itself, for callers of torch.ops.libkda.chunk_kda_fwd (its third
-# output, the chunk states, is a residual and gets no gradient).
+# The same autograd on the op itself, for callers of torch.ops.libkda.chunk_kda_fwd (its third and
+# fourth outputs, the chunk states and v_new, are residuals and get no gradient).
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags, chunk_size,
-     output_final_state, save_states) = inputs
+     output_final_state, save_states, *rest) = inputs
+    save_v_new = bool(rest[0]) if rest else False
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                          output[2] if save_states else None)
+                          output[2] if save_states else None, output[3] if save_v_new else None)
     ctx.opts = (scale, lower_bound, flags, chunk_size, output_final_state)
 
 
-def _fwd_backward(ctx, do, dfs, dcs):
-    return _chunk_grads(ctx.saved_tensors, ctx.opts, do, dfs, ctx.needs_input_grad)
+def _fwd_backward(ctx, do, dfs, dcs, dvn):
+    return _chunk_grads(ctx.saved_tensors, ctx.opts, do, dfs, ctx.needs_input_grad) + (None,)  # save_v_new
 
 
 torch.library.register_autograd("libkda::chunk_kda_fwd", _fwd_backward, setup_context=_fwd_setup_context, lib=_lib)
@@ -420,8 +431,9 @@ def chunk_kda(
     32, as in FLA: anything else raises ValueError; the numpy ``libkda.chunk_kda`` also takes 16),
     ``A_log``, ``dt_bias``.
 
-    ``disable_recompute=True`` keeps the state entering every chunk for the backward (saved-state);
-    ``False`` (the default) rematerializes it in the backward. ``return_intermediate_states=True``
+    ``disable_recompute=True`` keeps the state entering every chunk and every token's delta
+    ``v_new`` (float32, o's shape) for the backward, as FLA keeps its ``h`` and ``v_new`` (saved-state);
+    ``False`` (the default) rematerializes them in the backward. ``return_intermediate_states=True``
     returns ``(o, final_state, h)`` without autograd, h being the state entering every chunk,
     ``[B, NT, HV, K, V]`` (varlen: ``[1, NC, HV, K, V]``) in the input dtype (k's), as in FLA.
 
@@ -478,8 +490,8 @@ def chunk_kda(
             raise AssertionError("return_intermediate_states is only allowed in inference mode")
         if disable_recompute:
             raise AssertionError("return_intermediate_states must be used with disable_recompute=False")
-        o, fs, cs = _fwd_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, flags,
-                            chunk_size, output_final_state, True)
+        o, fs, cs, _ = _fwd_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                               flags, chunk_size, output_final_state, True)
         B, T = q.shape[0], q.shape[1]
         nc = _exact_chunks(B, T, cu_seqlens, chunk_size)
         h = cs[:nc]
@@ -490,8 +502,8 @@ def chunk_kda(
             torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))):
         # Nothing to differentiate: the forward alone, without residuals (the inference path).
-        o, fs, _ = _chunk_kda_fwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
-                                      lower_bound, flags, chunk_size, bool(output_final_state), False)
+        o, fs, _, _ = _chunk_kda_fwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                         lower_bound, flags, chunk_size, bool(output_final_state), False)
         return o, (fs if output_final_state else None)
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
                                   flags, chunk_size, bool(output_final_state), bool(disable_recompute))

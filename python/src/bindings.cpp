@@ -148,32 +148,36 @@ using ForwardEntry = kda::Status (*)(const kda::ForwardParams&);
 using BackwardEntry = kda::Status (*)(const kda::BackwardParams&);
 
 template <ForwardEntry entry>
-void forward_entry(KDA_FORWARD_ARGS, const Out& o, const Out& final_state, const Out& chunk_states) {
+void forward_entry(KDA_FORWARD_ARGS, const Out& o, const Out& final_state, const Out& chunk_states, const Out& v_new) {
   kda::ForwardParams p = KDA_FORWARD_PARAMS;
   p.o = make_view(o, "o");
   p.final_state = make_view(final_state, "final_state");
   p.chunk_states = make_view(chunk_states, "chunk_states");
+  p.v_new = make_view(v_new, "v_new");
   call([&] { return entry(p); });
 }
 
 // NC for the chunk_states output. o must be given (the whole forward is validated).
-std::int64_t chunk_count_entry(KDA_FORWARD_ARGS, const Out& o, const Out& final_state, const Out& chunk_states) {
+std::int64_t chunk_count_entry(KDA_FORWARD_ARGS, const Out& o, const Out& final_state, const Out& chunk_states,
+                               const Out& v_new) {
   kda::ForwardParams p = KDA_FORWARD_PARAMS;
   p.o = make_view(o, "o");
   p.final_state = make_view(final_state, "final_state");
   p.chunk_states = make_view(chunk_states, "chunk_states");
+  p.v_new = make_view(v_new, "v_new");
   std::int64_t nc = 0;
   call([&] { return kda::forward_chunk_count(p, &nc); });
   return nc;
 }
 
 template <BackwardEntry entry>
-void backward_entry(KDA_FORWARD_ARGS, const In& chunk_states, const In& d_o, const In& d_final_state,
+void backward_entry(KDA_FORWARD_ARGS, const In& chunk_states, const In& v_new, const In& d_o, const In& d_final_state,
                     const Out& dq, const Out& dk, const Out& dv, const Out& dg, const Out& dbeta, const Out& dh0,
                     const Out& dA_log, const Out& ddt_bias) {
   kda::BackwardParams p;
   p.forward = KDA_FORWARD_PARAMS;
   p.forward.chunk_states = make_view(chunk_states, "chunk_states");
+  p.forward.v_new = make_view(v_new, "v_new");
   p.d_o = make_view(d_o, "d_o");
   p.d_final_state = make_view(d_final_state, "d_final_state");
   p.dq = make_view(dq, "dq");
@@ -228,12 +232,13 @@ void decode_entry(const In& q, const In& k, const In& v, const In& g, const In& 
 template <typename Fn>
 void def_forward(nb::module_& m, const char* name, Fn fn, const char* doc) {
   m.def(name, fn, KDA_FORWARD_NB_ARGS, nb::arg("o"), nb::arg("final_state").none() = nb::none(),
-        nb::arg("chunk_states").none() = nb::none(), doc);
+        nb::arg("chunk_states").none() = nb::none(), nb::arg("v_new").none() = nb::none(), doc);
 }
 
 template <typename Fn>
 void def_backward(nb::module_& m, const char* name, Fn fn, const char* doc) {
-  m.def(name, fn, KDA_FORWARD_NB_ARGS, nb::arg("chunk_states").none() = nb::none(), nb::arg("d_o"),
+  m.def(name, fn, KDA_FORWARD_NB_ARGS, nb::arg("chunk_states").none() = nb::none(),
+        nb::arg("v_new").none() = nb::none(), nb::arg("d_o"),
         nb::arg("d_final_state").none() = nb::none(), nb::arg("dq").none() = nb::none(),
         nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(), nb::arg("dg").none() = nb::none(),
         nb::arg("dbeta").none() = nb::none(), nb::arg("dh0").none() = nb::none(),
@@ -256,7 +261,8 @@ NB_MODULE(_libkda, m) {
 
   def_forward(m, "forward", &forward_entry<&kda::chunk_forward>,
               "The chunked forward (kda::chunk_forward). Every tensor is an (array, dtype code) pair; "
-              "o, final_state and chunk_states (the state entering every chunk) are written in place. Raises ValueError with the library's message.");
+              "o, final_state, chunk_states (the state entering every chunk) and v_new (every token's delta, "
+              "the backward's optional residual) are written in place. Raises ValueError with the library's message.");
   def_forward(m, "reference_forward", &forward_entry<&kda::reference_forward>,
               "The fp64 token-by-token oracle (kda::reference_forward); same arguments as forward.");
   def_forward(m, "forward_chunk_count", &chunk_count_entry,
@@ -265,7 +271,7 @@ NB_MODULE(_libkda, m) {
   def_backward(m, "backward", &backward_entry<&kda::chunk_backward>,
                "The chunked backward (kda::chunk_backward). Forward inputs and options as in forward; "
                "chunk_states (the forward's, read) selects the saved-state policy, absent = "
-               "rematerialized. d_o is required, d_final_state optional; the gradients dq, dk, dv, dg, "
+               "rematerialized; v_new (the forward's, read) replaces the recomputed token deltas. d_o is required, d_final_state optional; the gradients dq, dk, dv, dg, "
                "dbeta, dh0, dA_log, ddt_bias are each optional outputs written in place.");
   def_backward(m, "reference_backward", &backward_entry<&kda::reference_backward>,
                "The fp64 adjoint oracle (kda::reference_backward); same arguments as backward.");

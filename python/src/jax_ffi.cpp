@@ -41,6 +41,7 @@ constexpr std::int64_t kWantDh0 = 64;           // backward result
 constexpr std::int64_t kWantDALog = 128;        // backward result
 constexpr std::int64_t kWantDdtBias = 256;      // backward result
 constexpr std::int64_t kWantFinalState = 512;   // forward result
+constexpr std::int64_t kHasVNew = 1024;         // forward: result; backward: operand (the token deltas)
 
 // `flags` bits (the same as the raw bindings, python/src/raw.cpp).
 constexpr std::int64_t kL2Norm = 1;
@@ -311,15 +312,16 @@ ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, floa
   std::size_t ai = 0;
   KDA_FFI_TRY(read_forward_operands(args, &ai, present, &f, &shims));
   std::size_t ri = 0;
-  Dense o, final_state, chunk_states;
+  Dense o, final_state, chunk_states, v_new;
   KDA_FFI_TRY(take(rets, &ri, "output", 4, &o, shims.next(), get_ret));
   if (present & kWantFinalState) KDA_FFI_TRY(take(rets, &ri, "final_state", 5, &final_state, shims.next(), get_ret));
   if (present & kHasChunkStates) KDA_FFI_TRY(take(rets, &ri, "chunk_states", 4, &chunk_states, shims.next(), get_ret));
+  if (present & kHasVNew) KDA_FFI_TRY(take(rets, &ri, "v_new", 4, &v_new, shims.next(), get_ret));
 
   Lead L;
   KDA_FFI_TRY(leading({{&f.q, 4}, {&f.k, 4}, {&f.v, 4}, {&f.g, 4}, {&f.beta, 3}, {&f.a_log, 1}, {&f.dt_bias, 1},
                        {&f.segment_ids, 2}, {&f.initial_state, 5}},
-                      {{&o, 4}, {&final_state, 5}, {&chunk_states, 4}}, &L));
+                      {{&o, 4}, {&final_state, 5}, {&chunk_states, 4}, {&v_new, 4}}, &L));
   const kda::Options opt = options_of(scale, lower_bound, flags, chunk_size);
   const bool seg = f.segment_ids.defined();
   for (std::int64_t li = 0; li < L.count; ++li) {
@@ -327,6 +329,7 @@ ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, floa
     p.o = head_first4(o, L, li);
     p.final_state = state_view(final_state, L, li, seg);
     p.chunk_states = plain(chunk_states, L, li, 4);
+    p.v_new = head_first4(v_new, L, li);  // [HV, B, T, V] like the output
     kda::Status st;
     if (oracle) {
       p.chunk_states = kda::TensorView();
@@ -347,8 +350,9 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
   ForwardOperands f;
   std::size_t ai = 0;
   KDA_FFI_TRY(read_forward_operands(args, &ai, present, &f, &shims));
-  Dense chunk_states, d_o, d_final_state;
+  Dense chunk_states, v_new, d_o, d_final_state;
   if (present & kHasChunkStates) KDA_FFI_TRY(take(args, &ai, "chunk_states", 4, &chunk_states, shims.next(), get_arg));
+  if (present & kHasVNew) KDA_FFI_TRY(take(args, &ai, "v_new", 4, &v_new, shims.next(), get_arg));
   KDA_FFI_TRY(take(args, &ai, "d_output", 4, &d_o, shims.next(), get_arg));
   if (present & kHasDFinalState) KDA_FFI_TRY(take(args, &ai, "d_final_state", 5, &d_final_state, shims.next(), get_arg));
 
@@ -365,7 +369,7 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
 
   Lead L;
   KDA_FFI_TRY(leading({{&f.q, 4}, {&f.k, 4}, {&f.v, 4}, {&f.g, 4}, {&f.beta, 3}, {&f.a_log, 1}, {&f.dt_bias, 1},
-                       {&f.segment_ids, 2}, {&f.initial_state, 5}, {&chunk_states, 4}, {&d_o, 4},
+                       {&f.segment_ids, 2}, {&f.initial_state, 5}, {&chunk_states, 4}, {&v_new, 4}, {&d_o, 4},
                        {&d_final_state, 5}},
                       {{&dq, 4}, {&dk, 4}, {&dv, 4}, {&dg, 4}, {&dbeta, 3}, {&dh0, 5}, {&da_log, 1}, {&ddt_bias, 1}},
                       &L));
@@ -375,6 +379,7 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
     kda::BackwardParams p;
     p.forward = forward_params(f, L, li, max_num_segments, opt);
     p.forward.chunk_states = plain(chunk_states, L, li, 4);
+    p.forward.v_new = head_first4(v_new, L, li);
     p.d_o = head_first4(d_o, L, li);
     p.d_final_state = state_view(d_final_state, L, li, seg);
     p.dq = head_first4(dq, L, li);
@@ -388,6 +393,7 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
     kda::Status st;
     if (oracle) {
       p.forward.chunk_states = kda::TensorView();
+      p.forward.v_new = kda::TensorView();
       st = kda::reference_backward(p);
     } else {
       st = trim_chunk_states(&p.forward);

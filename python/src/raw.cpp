@@ -101,10 +101,10 @@ kda::Options options_of(double scale, double lower_bound, std::int64_t flags, st
   return opt;
 }
 
-// The forward's 14 descriptors, in this order:
+// The forward's 15 descriptors, in this order:
 //   q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, initial_state, initial_state_indices,
-//   o, final_state, chunk_states
-constexpr Py_ssize_t kForwardTensors = 14;
+//   o, final_state, chunk_states, v_new
+constexpr Py_ssize_t kForwardTensors = 15;
 
 kda::ForwardParams forward_params(const nb::tuple& t, std::int64_t max_num_segments, double scale,
                                   double lower_bound, std::int64_t flags, std::int64_t chunk_size,
@@ -124,6 +124,7 @@ kda::ForwardParams forward_params(const nb::tuple& t, std::int64_t max_num_segme
   p.o = item(t, 11, "o");
   p.final_state = item(t, 12, "final_state");
   p.chunk_states = item(t, 13, "chunk_states");
+  p.v_new = item(t, 14, "v_new");
   p.max_num_segments = max_num_segments;
   p.options = options_of(scale, lower_bound, flags, num_threads);
   p.options.chunk_size = static_cast<int>(chunk_size);
@@ -179,8 +180,9 @@ std::int64_t raw_forward(int entry, const nb::tuple& tensors, std::int64_t max_n
   return nc;
 }
 
-// The backward's 24 descriptors: the forward's 14 (o and final_state are ignored; chunk_states,
-// when given, is the forward's saved states, possibly with a larger capacity) then
+// The backward's 25 descriptors: the forward's 15 (o and final_state are ignored; chunk_states,
+// when given, is the forward's saved states, possibly with a larger capacity; v_new the
+// forward's token deltas) then
 //   d_o, d_final_state, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 // entry: 0 chunk_backward, 1 reference_backward.
 void raw_backward(int entry, const nb::tuple& tensors, std::int64_t max_num_segments, double scale,
@@ -192,20 +194,21 @@ void raw_backward(int entry, const nb::tuple& tensors, std::int64_t max_num_segm
   p.forward.o = kda::TensorView();
   p.forward.final_state = kda::TensorView();
   if (entry == 0) trim_chunk_states(p.forward);
-  p.d_o = item(tensors, 14, "d_o");
-  p.d_final_state = item(tensors, 15, "d_final_state");
-  p.dq = item(tensors, 16, "dq");
-  p.dk = item(tensors, 17, "dk");
-  p.dv = item(tensors, 18, "dv");
-  p.dg = item(tensors, 19, "dg");
-  p.dbeta = item(tensors, 20, "dbeta");
-  p.dh0 = item(tensors, 21, "dh0");
-  p.dA_log = item(tensors, 22, "dA_log");
-  p.ddt_bias = item(tensors, 23, "ddt_bias");
+  p.d_o = item(tensors, 15, "d_o");
+  p.d_final_state = item(tensors, 16, "d_final_state");
+  p.dq = item(tensors, 17, "dq");
+  p.dk = item(tensors, 18, "dk");
+  p.dv = item(tensors, 19, "dv");
+  p.dg = item(tensors, 20, "dg");
+  p.dbeta = item(tensors, 21, "dbeta");
+  p.dh0 = item(tensors, 22, "dh0");
+  p.dA_log = item(tensors, 23, "dA_log");
+  p.ddt_bias = item(tensors, 24, "ddt_bias");
   if (entry == 0) {
     run([&] { return kda::chunk_backward(p); });
   } else if (entry == 1) {
     p.forward.chunk_states = kda::TensorView();  // the oracle keeps fp64 checkpoints of its own
+    p.forward.v_new = kda::TensorView();
     run([&] { return kda::reference_backward(p); });
   } else {
     throw nb::value_error("kda: raw_backward: entry must be 0 or 1");
@@ -241,16 +244,16 @@ void kda_register_raw(nb::module_& m) {
         nb::arg("scale"), nb::arg("lower_bound"), nb::arg("flags"), nb::arg("chunk_size"), nb::arg("path"),
         nb::arg("num_threads"),
         "Raw-pointer forward (entry 0: kda::chunk_forward, 1: kda::reference_forward, 2: "
-        "kda::forward_chunk_count). tensors: 14 descriptors (ptr, dtype, shape, strides) or None -- q, k, "
+        "kda::forward_chunk_count). tensors: 15 descriptors (ptr, dtype, shape, strides) or None -- q, k, "
         "v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, initial_state, initial_state_indices, o, "
-        "final_state, chunk_states (leading dim may exceed NC: trimmed). scale / lower_bound: NaN = "
+        "final_state, chunk_states (leading dim may exceed NC: trimmed), v_new. scale / lower_bound: NaN = "
         "default / none. flags: 1 l2norm, 2 gate in kernel, 4 beta sigmoid, 8 allow_neg_eigval, 16 "
         "V-first. path: 0 fused, 1 staged. Returns NC (0 without chunk_states).");
   m.def("raw_backward", &raw_backward, nb::arg("entry"), nb::arg("tensors"), nb::arg("max_num_segments"),
         nb::arg("scale"), nb::arg("lower_bound"), nb::arg("flags"), nb::arg("chunk_size"), nb::arg("path"),
         nb::arg("num_threads"),
         "Raw-pointer backward (entry 0: kda::chunk_backward, 1: kda::reference_backward). tensors: the "
-        "forward's 14 descriptors then d_o, d_final_state, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias.");
+        "forward's 15 descriptors then d_o, d_final_state, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias.");
   m.def("raw_decode", &raw_decode, nb::arg("tensors"), nb::arg("scale"), nb::arg("lower_bound"), nb::arg("flags"),
         nb::arg("num_threads"),
         "Raw-pointer kda::decode. tensors: q, k, v, g, beta, A_log, dt_bias, state_pool (in place), "

@@ -524,6 +524,18 @@ def test_options_extensions_and_older_api_aliases():
 
     g1, g2, g3 = grad(disable_recompute=True), grad(disable_recompute=False), grad(rematerialize_for_backward=True)
     assert np.array_equal(g1, g2) and np.array_equal(g2, g3)
+
+    def forward_results(**opt):  # the shapes the differentiated forward's custom call returns
+        f = lambda q: kj.kimi_delta_attention(q, *list(x.values())[1:], **opt)[0]  # noqa: E731
+        jaxpr = jax.make_jaxpr(lambda q: jax.vjp(f, q)[0])(x["query"])
+        return [tuple(v.aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call" for v in e.outvars]
+
+    # saved-state residual: the output, the chunk states and every token's delta v_new (shaped
+    # like the output); rematerialized: the output alone
+    out_shape = tuple(x["value"].shape)
+    saved, remat = forward_results(), forward_results(rematerialize_for_backward=True)
+    assert saved[0] == out_shape and saved[-1] == out_shape and len(saved) == 3, saved
+    assert remat == [out_shape], remat
     # validation
     with pytest.raises(TypeError, match="unexpected keyword argument 'chunksize'"):
         kj.kimi_delta_attention(**x, chunksize=32)

@@ -137,11 +137,13 @@ def test_saved_and_remat_agree_bitwise():
         leaves = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"], x["g"], x["beta"], h0)]
         o, ht = kt.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, use_gate_in_kernel=True,
                              disable_recompute=disable_recompute, **extra)
-        saved_states = o.grad_fn.saved_tensors[-1]  # the chunk states, or None (rematerialized)
+        # the chunk states and every token's delta v_new (as FLA keeps h and v_new), or None (remat)
+        saved_states, v_new = o.grad_fn.saved_tensors[-2:]
         if disable_recompute:
             assert saved_states is not None and saved_states.shape == (2, 2, 16, 8)  # [NC, HV, K, V]
+            assert v_new is not None and v_new.shape == o.shape and v_new.dtype == torch.float32
         else:
-            assert saved_states is None
+            assert saved_states is None and v_new is None
         (o.square().sum() + ht.sum()).backward()
         grads.append([t.grad for t in leaves])
     for a, b in zip(*grads):
@@ -383,17 +385,22 @@ def test_opcheck_chunk_ops():
     h0 = h0.transpose(-1, -2).contiguous()
     req = lambda t: t.clone().requires_grad_()
     fwd_args = (req(x["q"]), req(x["k"]), req(x["v"]), req(x["g"]), req(x["beta"]), req(extra["A_log"]),
-                req(extra["dt_bias"]), req(h0), cu, None, -5.0, flags, 16, True, True)
+                req(extra["dt_bias"]), req(h0), cu, None, -5.0, flags, 16, True, True, True)
     _opcheck(torch.ops.libkda.chunk_kda_fwd.default, fwd_args)
+    _opcheck(torch.ops.libkda.chunk_kda_fwd.default, fwd_args[:-1])  # save_v_new's default: False
     # fixed length, remat, no optional inputs
     xf, _, _ = make(12, B=2, T=33, K=8, V=4)
     _opcheck(torch.ops.libkda.chunk_kda_fwd.default,
              (xf["q"], xf["k"], xf["v"], xf["g"], xf["beta"], None, None, None, None, 0.3, None, 0, 32, False, False))
-    o, fs, cs = torch.ops.libkda.chunk_kda_fwd(*[a.detach() if torch.is_tensor(a) else a for a in fwd_args])
-    bwd_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], extra["A_log"], extra["dt_bias"], h0, cu, cs,
+    o, fs, cs, vn = torch.ops.libkda.chunk_kda_fwd(*[a.detach() if torch.is_tensor(a) else a for a in fwd_args])
+    assert vn.shape == o.shape and vn.dtype == torch.float32
+    bwd_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], extra["A_log"], extra["dt_bias"], h0, cu, cs, vn,
                 torch.randn_like(o), torch.randn_like(fs), None, -5.0, flags, 16)
     _opcheck(torch.ops.libkda.chunk_kda_bwd.default, bwd_args)
-    _opcheck(torch.ops.libkda.chunk_kda_bwd.default, bwd_args[:9] + (None,) + bwd_args[10:11] + (None,) + bwd_args[12:])
+    # remat (no chunk states, no v_new), no final-state cotangent
+    _opcheck(torch.ops.libkda.chunk_kda_bwd.default, bwd_args[:9] + (None, None) + bwd_args[11:12] + (None,) + bwd_args[13:])
+    # v_new with rematerialized states
+    _opcheck(torch.ops.libkda.chunk_kda_bwd.default, bwd_args[:9] + (None,) + bwd_args[10:])
 
 
 def test_opcheck_decode():
@@ -502,8 +509,8 @@ def test_eager_fast_path_matches_dispatcher():
     bitwise the same results."""
     x, extra, h0 = make(16, T=30, gate="softplus")
     flags = kt._GATE
-    o1, fs1, _ = torch.ops.libkda.chunk_kda_fwd(*x.values(), extra["A_log"], extra["dt_bias"], h0, None, None, None,
-                                                flags, 64, True, False)
+    o1, fs1, _, _ = torch.ops.libkda.chunk_kda_fwd(*x.values(), extra["A_log"], extra["dt_bias"], h0, None, None,
+                                                   None, flags, 64, True, False)
     o2, fs2 = kt.chunk_kda(**x, initial_state=h0, output_final_state=True, use_gate_in_kernel=True, **extra)
     assert torch.equal(o1, o2) and torch.equal(fs1, fs2)
     assert kt._eager_ok(x["q"]) and not kt._eager_ok(x["q"].to("meta"))
