@@ -194,16 +194,16 @@ void raw_backward(int entry, const nb::tuple& tensors, std::int64_t max_num_segm
   p.forward.o = kda::TensorView();
   p.forward.final_state = kda::TensorView();
   if (entry == 0) trim_chunk_states(p.forward);
-  p.d_o = item(tensors, 15, "d_o");
-  p.d_final_state = item(tensors, 16, "d_final_state");
-  p.dq = item(tensors, 17, "dq");
-  p.dk = item(tensors, 18, "dk");
-  p.dv = item(tensors, 19, "dv");
-  p.dg = item(tensors, 20, "dg");
-  p.dbeta = item(tensors, 21, "dbeta");
-  p.dh0 = item(tensors, 22, "dh0");
-  p.dA_log = item(tensors, 23, "dA_log");
-  p.ddt_bias = item(tensors, 24, "ddt_bias");
+  p.d_o = item(tensors, kForwardTensors + 0, "d_o");
+  p.d_final_state = item(tensors, kForwardTensors + 1, "d_final_state");
+  p.dq = item(tensors, kForwardTensors + 2, "dq");
+  p.dk = item(tensors, kForwardTensors + 3, "dk");
+  p.dv = item(tensors, kForwardTensors + 4, "dv");
+  p.dg = item(tensors, kForwardTensors + 5, "dg");
+  p.dbeta = item(tensors, kForwardTensors + 6, "dbeta");
+  p.dh0 = item(tensors, kForwardTensors + 7, "dh0");
+  p.dA_log = item(tensors, kForwardTensors + 8, "dA_log");
+  p.ddt_bias = item(tensors, kForwardTensors + 9, "ddt_bias");
   if (entry == 0) {
     run([&] { return kda::chunk_backward(p); });
   } else if (entry == 1) {
