@@ -31,7 +31,9 @@ def fmt_rate(r: dict) -> str:
         side = r.get("side_by_side_stream_gbps", 0)
         side_pct = f"; {100 * r['gbps'] / side:.0f}% of the stream beside it" if side else ""
         return f"{r['gbps']:.1f} GB/s ({r.get('pct_of_limit', 0):.0f}%{side_pct})"
-    return f"{r.get('gflops', 0):.1f} GFLOP/s ({r.get('pct_of_limit', 0):.0f}%)"
+    side_ms = r.get("side_by_side_forward_ms", 0)
+    side = f"; {r['median_ms'] / side_ms:.2f}x the forward timed beside it" if side_ms else ""
+    return f"{r.get('gflops', 0):.1f} GFLOP/s ({r.get('pct_of_limit', 0):.0f}%{side})"
 
 
 def table(records: list[dict]) -> str:
