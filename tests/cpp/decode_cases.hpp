@@ -66,6 +66,13 @@ inline std::vector<DecodeCase> decode_option_cases() {
     last.idx = {4, -1, 9};  // row 1 is padding
     last.name = std::string(o.name) + "_draft_tokens_row_slots";
     out.push_back(last);
+    // More draft tokens than one group of the K-first kernel (4): groups of 4 + 4 + 1 and 4 + 2.
+    for (std::int64_t T : {9, 6}) {
+      DecodeCase many = last;
+      many.c.T = T;
+      many.name = std::string(o.name) + "_draft_tokens_row_slots_T" + std::to_string(T);
+      out.push_back(many);
+    }
   }
   return out;
 }
