@@ -7,6 +7,14 @@
 //
 // Not included anywhere else. Needs <cstring> and <cstdint> before the enclosing namespace.
 
+// Functions whose results must be bitwise equal on every path that computes them (the fused and
+// staged forwards, the backward's recomputation, saved and rebuilt states) are compiled once
+// each: inlined into different callers, GCC may contract a * b + c into an FMA in one copy and
+// not in another (or pick the other product), and the copies' results then differ in the last
+// bit. Measured before this: an unrelated change to the decode kernels, in the same translation
+// unit, changed the inlining and broke the bitwise v_new contract on the fp32 path.
+#define KDA_NOINLINE __attribute__((noinline))
+
 // Natural (64-byte) alignment: with a smaller one GCC 12 keeps register-blocked accumulator
 // arrays (gemm_tile) partly on the stack, storing them every iteration. Memory is only ever
 // accessed through vload / vstore (memcpy), so no pointer needs that alignment.
