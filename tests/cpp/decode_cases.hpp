@@ -41,6 +41,8 @@ inline std::vector<DecodeCase> decode_option_cases() {
       {"no_l2norm_bf16", DType::kBF16, Gate::kLogDecay, false, false, false, StateLayout::kVFirst, 1, 1, 128, 128},
       {"f16_softplus", DType::kF16, Gate::kSoftplus, true, true, false, StateLayout::kKFirst, 2, 2, 16, 64},
       {"k256_v256_bf16", DType::kBF16, Gate::kLowerBound, true, false, false, StateLayout::kKFirst, 1, 2, 256, 256},
+      // An odd number of V-first rows: the draft-token groups' last row goes alone.
+      {"softplus_vfirst_v33", DType::kF32, Gate::kSoftplus, true, false, false, StateLayout::kVFirst, 1, 1, 32, 33},
   };
   std::vector<DecodeCase> out;
   for (const Opt& o : opts) {
