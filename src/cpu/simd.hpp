@@ -28,6 +28,20 @@ static inline vf vload(const float* p) {
   return v;
 }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// A store of a whole 64-byte line that bypasses the caches (no read for ownership) where the ISA
+// has one and p is 64-byte aligned (else a plain store). For states written to slots this call
+// does not read again; fence_streams() before the writer's results are relied on.
+static inline void vstore_stream(float* p, vf v) {
+#ifdef __AVX512F__
+  if (reinterpret_cast<std::uintptr_t>(p) % 64 == 0) return _mm512_stream_ps(p, reinterpret_cast<__m512>(v));
+#endif
+  vstore(p, v);
+}
+static inline void fence_streams() {
+#ifdef __AVX512F__
+  _mm_sfence();
+#endif
+}
 // Not `vf{} + x`: 0 + x is not an identity for x = -0, so the compiler would emit a scalar add
 // (on an FMA port) before every broadcast.
 static inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }

@@ -1,6 +1,8 @@
 // Decode against a state pool and the inference forward's pooled initial states (SPEC.md
 // section 3): against the fp64 oracle, against prefill, and the pool's exact contracts
 // (untouched slots, padding rows, errors that write nothing).
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "decode_cases.hpp"
@@ -121,6 +123,48 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   for (std::int64_t i = 0; i < 2 * 2 * 16; ++i) ASSERT_EQ(o.get(2 * 2 * 2 * 16 + i), 0.0) << "padding row o";
   EXPECT_NE(after[6 * slot], before[6 * slot]) << "row 1 writes slot 6 after token 0";
 }
+
+// Draft tokens' states written to their own slots go past the caches where the pool's lines are
+// 64-byte aligned and through plain stores where they are not: the same bits either way, and the
+// oracle's values.
+class DecodeSlotStores : public ::testing::TestWithParam<StateLayout> {};
+
+TEST_P(DecodeSlotStores, AlignedAndMisalignedPoolsGiveTheSameBits) {
+  DecodeCase dc;
+  dc.c.B = 3, dc.c.T = 3, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 32, dc.c.V = 48, dc.c.layout = GetParam();
+  dc.slots = 10;
+  dc.idx = {1, 2, 3, 4, -1, 5, 6, 7, 8};  // row 1 keeps no state after token 1
+  dc.accepted = {1, 2, 3};
+  DecodeData d = make_decode_data(dc);
+  std::vector<double> eo, ep;
+  oracle_decode(dc, d, &eo, &ep);
+  auto run = [&](std::size_t offset, std::vector<double>* o_out, std::vector<double>* pool_out) {
+    const std::size_t bytes = d.pool.bytes.size();
+    std::vector<unsigned char> raw(bytes + 128);
+    const std::size_t to_line = (64 - reinterpret_cast<std::uintptr_t>(raw.data()) % 64) % 64;
+    unsigned char* data = raw.data() + to_line + offset;
+    std::memcpy(data, d.pool.bytes.data(), bytes);
+    HostTensor o(DType::kF32, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
+    DecodeParams p = make_decode_params(dc, d, o, idx, acc);
+    p.state_pool.data = data;
+    ASSERT_TRUE(decode(p).ok());
+    *o_out = o.to_double();
+    HostTensor pool = d.pool;
+    std::memcpy(pool.bytes.data(), data, bytes);
+    *pool_out = pool.to_double();
+  };
+  std::vector<double> o_aligned, pool_aligned, o_offset, pool_offset;
+  run(0, &o_aligned, &pool_aligned);
+  run(16, &o_offset, &pool_offset);
+  expect_bitwise(o_aligned, o_offset, "o, aligned vs 16 bytes off");
+  expect_bitwise(pool_aligned, pool_offset, "pool, aligned vs 16 bytes off");
+  const Metric mo = compare(o_aligned, eo), mp = compare(pool_aligned, ep);
+  EXPECT_TRUE(mo.finite && mo.rel <= forward_bound(dc.c.dtype)) << "o: " << mo.str();
+  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str();
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeSlotStores, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
+                         [](const auto& info) { return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst"); });
 
 struct DecodeError {
   const char* name;
