@@ -3,6 +3,7 @@
 //
 //   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]
 //             [--baseline] [--heads H] [--tokens T (decode: per sequence, default 1)] [--batch N]
+//             [--draft-slots (decode: every draft token keeps its state in its own slot)]
 //             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
 //
@@ -41,6 +42,7 @@ struct Config {
   std::int64_t heads = 32, tokens = 8192, segments = 25, K = 128, V = 128;
   bool heads_set = false, tokens_set = false;  // inference/decode use their own SPEC.md 5 defaults
   std::int64_t batch = 0;                      // decode: 0 = the batches 1, 16, 64, 256
+  bool draft_slots = false;  // decode with T > 1: [N, T] slot indices (vLLM's speculative decoding)
   std::string dtype = "bf16";
   int chunk = 64;
   bool bf16_dot = true;  // --fp32-products turns Options::bf16_dot_products off
@@ -54,6 +56,7 @@ struct Config {
                "kda-bench: %s\n"
                "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
                "                 [--baseline] [--heads H] [--tokens T (decode: per sequence)] [--batch N (decode)]\n"
+               "                 [--draft-slots (decode: every draft token's state into its own slot)]\n"
                "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]\n"
                "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
                msg);
@@ -80,6 +83,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--heads") c.heads = num(), c.heads_set = true;
     else if (a == "--tokens") c.tokens = num(), c.tokens_set = true;
     else if (a == "--batch") c.batch = num();
+    else if (a == "--draft-slots") c.draft_slots = true;
     else if (a == "--segments") c.segments = num();
     else if (a == "--K") c.K = num();
     else if (a == "--V") c.V = num();
@@ -497,7 +501,10 @@ std::vector<Record> decode_suite(const Config& cfg) {
   std::vector<Record> recs;
   // (batch, tokens per sequence): by default batches 1..256 with one token, and batch 64 with 4
   // draft tokens (speculative decoding), read from the slot and written back after the last (the
-  // state still moves in and out once). --batch and --tokens pick one pair.
+  // state still moves in and out once). --batch and --tokens pick one pair. With --draft-slots,
+  // rows of more than one token write every token's state into its own slot ([N, T] indices, one
+  // accepted token: read slot n T, written slots n T .. n T + T - 1), as vLLM's speculative
+  // decoding does: one state read and T written per row.
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes;
   if (cfg.batch > 0 || cfg.tokens_set) shapes = {{cfg.batch > 0 ? cfg.batch : 64, cfg.tokens_set ? cfg.tokens : 1}};
   else shapes = {{1, 1}, {16, 1}, {64, 1}, {256, 1}, {64, 4}};
@@ -505,16 +512,24 @@ std::vector<Record> decode_suite(const Config& cfg) {
   for (const auto& [N, T] : shapes) {
     Workload w;
     w.B = N, w.T = T, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype);
+    const bool per_token = cfg.draft_slots && T > 1;
     w.shape = "N=" + std::to_string(N) + " T=" + std::to_string(T) + " H=" + std::to_string(H) +
-              " K=" + std::to_string(w.K) + " V=" + std::to_string(w.V);
+              " K=" + std::to_string(w.K) + " V=" + std::to_string(w.V) + (per_token ? " slot per token" : "");
     Problem pb(cfg, w, false);
-    const std::int64_t slots = N;
-    Tensor pool(kda::DType::kF32, {slots, w.HV, w.K, w.V}), idx(kda::DType::kI64, {N});
+    const std::int64_t slots = per_token ? N * T : N;
+    Tensor pool(kda::DType::kF32, {slots, w.HV, w.K, w.V});
+    Tensor idx = per_token ? Tensor(kda::DType::kI64, {N, T}) : Tensor(kda::DType::kI64, {N});
+    Tensor accepted(kda::DType::kI64, {N});
     fill(pool, -0.1f, 0.1f, 11);
-    for (std::int64_t n = 0; n < N; ++n) static_cast<std::int64_t*>(idx.buf.get())[n] = (n * 7) % N;  // a permutation when N % 7 != 0
-    if (N % 7 == 0)
-      for (std::int64_t n = 0; n < N; ++n) static_cast<std::int64_t*>(idx.buf.get())[n] = n;
-    const double state_bytes = 2.0 * N * w.HV * w.K * w.V * 4;
+    auto* ix = static_cast<std::int64_t*>(idx.buf.get());
+    for (std::int64_t n = 0; n < N; ++n) {
+      static_cast<std::int64_t*>(accepted.buf.get())[n] = 1;
+      if (per_token)
+        for (std::int64_t t = 0; t < T; ++t) ix[n * T + t] = n * T + t;
+      else
+        ix[n] = N % 7 ? (n * 7) % N : n;  // a permutation when N % 7 != 0
+    }
+    const double state_bytes = (per_token ? 1.0 + T : 2.0) * N * w.HV * w.K * w.V * 4;
     // The side-by-side reference: the bandwidth limit's in-place stream over as many bytes as the
     // pool holds, one pass after every decode step.
     const std::int64_t stream_n = N * w.HV * w.K * w.V;
@@ -536,6 +551,7 @@ std::vector<Record> decode_suite(const Config& cfg) {
         pool.view.strides[2] = w.K, pool.view.strides[3] = 1;
       }
       dp.state_pool = pool.view, dp.slot_indices = idx.view;
+      if (per_token) dp.num_accepted_tokens = accepted.view;
       std::vector<double> stream_s;
       progress("decode", path, w);
       Record r = measure(
@@ -555,7 +571,7 @@ std::vector<Record> decode_suite(const Config& cfg) {
     pool.view.shape[2] = w.K, pool.view.shape[3] = w.V;  // K-first again for the oracle
     pool.view.strides[2] = w.V, pool.view.strides[3] = 1;
     Record base;
-    if (cfg.baseline) {
+    if (cfg.baseline && !per_token) {  // the oracle's states are the pool's rows one to one
       progress("decode", "oracle-loop", w);
       kda::ForwardParams f = pb.fwd;
       f.initial_state = pool.view;
@@ -568,7 +584,7 @@ std::vector<Record> decode_suite(const Config& cfg) {
     if (base.median_ms > 0) base.gbps = state_bytes / (base.median_ms * 1e-3) / 1e9;
     recs.push_back(dec);
     recs.push_back(dec_v);
-    if (cfg.baseline) {
+    if (base.median_ms > 0) {
       recs[recs.size() - 2].speedup = base.median_ms / dec.median_ms;
       recs.back().speedup = base.median_ms / dec_v.median_ms;
       base.speedup = 1.0;
