@@ -9,18 +9,17 @@
 // contiguous, which the hardware prefetcher streams): the bound for token-row prefetching.
 // --v-new adds the forward's v_new to the residual (the backward reads Vn instead of forming it).
 // Prints the min and median milliseconds.
-#include <kda/kda.hpp>
-
-#include "bench_tensor.hpp"
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <kda/kda.hpp>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "bench_tensor.hpp"
 
 namespace {
 
@@ -50,16 +49,24 @@ int main(int argc, char** argv) {
   std::int64_t T = 8192, H = 32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "backward") backward = true;
-    else if (a == "forward") backward = false;
-    else if (a == "--head-first") head_first_layout = true;
-    else if (a == "--v-new") with_v_new = true;
-    else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--tokens" && i + 1 < argc) T = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--heads" && i + 1 < argc) H = std::max(1, std::atoi(argv[++i]));
+    if (a == "backward")
+      backward = true;
+    else if (a == "forward")
+      backward = false;
+    else if (a == "--head-first")
+      head_first_layout = true;
+    else if (a == "--v-new")
+      with_v_new = true;
+    else if (a == "--iters" && i + 1 < argc)
+      iters = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--tokens" && i + 1 < argc)
+      T = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--heads" && i + 1 < argc)
+      H = std::max(1, std::atoi(argv[++i]));
     else {
       std::fprintf(stderr,
-                   "usage: kda-backward-alone [backward|forward] [--head-first] [--v-new] [--iters N] [--tokens T] [--heads H]\n");
+                   "usage: kda-backward-alone [backward|forward] [--head-first] [--v-new] [--iters N] [--tokens T] "
+                   "[--heads H]\n");
       return 2;
     }
   }

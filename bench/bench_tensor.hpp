@@ -39,7 +39,9 @@ inline void fill(Tensor& t, float lo, float hi, std::uint64_t seed) {
     const float u = static_cast<float>((s >> 40) & 0xFFFFFF) / 16777216.0f;
     const float x = lo + (hi - lo) * u;
     switch (t.view.dtype) {
-      case kda::DType::kF32: static_cast<float*>(t.buf.get())[i] = x; break;
+      case kda::DType::kF32:
+        static_cast<float*>(t.buf.get())[i] = x;
+        break;
       case kda::DType::kBF16: {
         std::uint32_t bits;
         std::memcpy(&bits, &x, 4);
@@ -51,7 +53,8 @@ inline void fill(Tensor& t, float lo, float hi, std::uint64_t seed) {
         std::memcpy(static_cast<std::uint16_t*>(t.buf.get()) + i, &h, 2);
         break;
       }
-      default: break;
+      default:
+        break;
     }
   }
 }

@@ -23,13 +23,13 @@
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    const cudaError_t e_ = (expr);                                                         \
-    if (e_ != cudaSuccess) {                                                               \
+#define CHECK_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    const cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
+      std::exit(2);                                                                               \
+    }                                                                                             \
   } while (0)
 
 std::uint64_t g_rng = 0x9e3779b97f4a7c15ull;
@@ -85,10 +85,18 @@ struct DevTensor {
   ~DevTensor() { kda::cuda_deallocate(ptr); }
 };
 
-double gen_normal() { return normal(); }
-double gen_beta() { return 1.0 / (1.0 + std::exp(-normal())); }
-double gen_alog() { return std::log(1.0 + 15.0 * uniform()) - 2.0; }
-double gen_bias() { return 0.5 * normal(); }
+double gen_normal() {
+  return normal();
+}
+double gen_beta() {
+  return 1.0 / (1.0 + std::exp(-normal()));
+}
+double gen_alog() {
+  return std::log(1.0 + 15.0 * uniform()) - 2.0;
+}
+double gen_bias() {
+  return 0.5 * normal();
+}
 
 struct Timing {
   double median_ms = 0, min_ms = 0;
@@ -223,8 +231,9 @@ void bench_decode(const std::string& name, std::int64_t N, std::int64_t H, doubl
   std::snprintf(shape, sizeof shape, "N=%lld T=1 H=HV=%lld K=V=128 bf16, fp32 pool", static_cast<long long>(N),
                 static_cast<long long>(H));
   char extra[160];
-  std::snprintf(extra, sizeof extra, "%.0f GB/s = %.0f%% of 4800 GB/s (datasheet), %.0f%% of the measured copy %.0f GB/s",
-                gbs, 100.0 * gbs / 4800.0, 100.0 * gbs / copy_gbs, copy_gbs);
+  std::snprintf(extra, sizeof extra,
+                "%.0f GB/s = %.0f%% of 4800 GB/s (datasheet), %.0f%% of the measured copy %.0f GB/s", gbs,
+                100.0 * gbs / 4800.0, 100.0 * gbs / copy_gbs, copy_gbs);
   report(name, shape, t, extra);
 }
 
@@ -269,9 +278,12 @@ int main(int argc, char** argv) {
   bool quick = false;
   const char* json = nullptr;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
+      json = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--quick"))
+      quick = true;
     else {
       std::fprintf(stderr, "usage: %s [--json PATH] [--reps N] [--quick]\n", argv[0]);
       return 1;
@@ -284,8 +296,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, L2 %d MiB, libkda %s\n", prop.name, prop.multiProcessorCount,
-              prop.l2CacheSize >> 20, kda::version());
+  std::printf("device: %s, %d SMs, L2 %d MiB, libkda %s\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20,
+              kda::version());
   if (json) g_json = std::fopen(json, "w");
   g_flush_bytes = std::max<std::size_t>(std::size_t{4} * prop.l2CacheSize, std::size_t{256} << 20);
   CHECK_CUDA(cudaMalloc(&g_flush, g_flush_bytes));

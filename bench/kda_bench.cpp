@@ -10,6 +10,8 @@
 // Peak memory comes from the library's accounting allocator: the benchmark allocates its inputs
 // and outputs through it too, so "peak" is everything a call needs, and "extra" is what the
 // path adds on top of inputs + outputs + states.
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -25,16 +27,14 @@
 #include <utility>
 #include <vector>
 
-#include <omp.h>
-
-#include "kda/kda.hpp"
 #include "bench_tensor.hpp"
+#include "kda/kda.hpp"
 #include "machine_limits.hpp"
 
 namespace {
 
-using kda_bench::Tensor;
 using kda_bench::fill;
+using kda_bench::Tensor;
 
 struct Config {
   std::string suite = "all";
@@ -42,7 +42,7 @@ struct Config {
   std::int64_t heads = 32, tokens = 8192, segments = 25, K = 128, V = 128;
   bool heads_set = false, tokens_set = false;  // inference/decode use their own SPEC.md 5 defaults
   std::int64_t batch = 0;                      // decode: 0 = the batches 1, 16, 64, 256
-  bool draft_slots = false;  // decode with T > 1: [N, T] slot indices (vLLM's speculative decoding)
+  bool draft_slots = false;                    // decode with T > 1: [N, T] slot indices (vLLM's speculative decoding)
   std::string dtype = "bf16";
   int chunk = 64;
   bool bf16_dot = true;  // --fp32-products turns Options::bf16_dot_products off
@@ -52,14 +52,15 @@ struct Config {
 };
 
 [[noreturn]] void usage(const char* msg) {
-  std::fprintf(stderr,
-               "kda-bench: %s\n"
-               "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
-               "                 [--baseline] [--heads H] [--tokens T (decode: per sequence)] [--batch N (decode)]\n"
-               "                 [--draft-slots (decode: every draft token's state into its own slot)]\n"
-               "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]\n"
-               "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
-               msg);
+  std::fprintf(
+      stderr,
+      "kda-bench: %s\n"
+      "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
+      "                 [--baseline] [--heads H] [--tokens T (decode: per sequence)] [--batch N (decode)]\n"
+      "                 [--draft-slots (decode: every draft token's state into its own slot)]\n"
+      "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]\n"
+      "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
+      msg);
   std::exit(2);
 }
 
@@ -78,30 +79,49 @@ Config parse(int argc, char** argv) {
       if (end == s.c_str() || *end != '\0' || v < 0) usage(("bad number for " + a + ": " + s).c_str());
       return v;
     };
-    if (a == "--suite") c.suite = next();
-    else if (a == "--baseline") c.baseline = true;
-    else if (a == "--heads") c.heads = num(), c.heads_set = true;
-    else if (a == "--tokens") c.tokens = num(), c.tokens_set = true;
-    else if (a == "--batch") c.batch = num();
-    else if (a == "--draft-slots") c.draft_slots = true;
-    else if (a == "--segments") c.segments = num();
-    else if (a == "--K") c.K = num();
-    else if (a == "--V") c.V = num();
-    else if (a == "--dtype") c.dtype = next();
-    else if (a == "--chunk") c.chunk = static_cast<int>(num());
-    else if (a == "--fp32-products") c.bf16_dot = false;
-    else if (a == "--threads") c.threads = static_cast<int>(num());
-    else if (a == "--iters") c.iters = static_cast<int>(num());
-    else if (a == "--warmup") c.warmup = static_cast<int>(num());
-    else if (a == "--json") c.json = next();
-    else if (a == "--help" || a == "-h") usage("help");
-    else usage(("unknown flag " + a).c_str());
+    if (a == "--suite")
+      c.suite = next();
+    else if (a == "--baseline")
+      c.baseline = true;
+    else if (a == "--heads")
+      c.heads = num(), c.heads_set = true;
+    else if (a == "--tokens")
+      c.tokens = num(), c.tokens_set = true;
+    else if (a == "--batch")
+      c.batch = num();
+    else if (a == "--draft-slots")
+      c.draft_slots = true;
+    else if (a == "--segments")
+      c.segments = num();
+    else if (a == "--K")
+      c.K = num();
+    else if (a == "--V")
+      c.V = num();
+    else if (a == "--dtype")
+      c.dtype = next();
+    else if (a == "--chunk")
+      c.chunk = static_cast<int>(num());
+    else if (a == "--fp32-products")
+      c.bf16_dot = false;
+    else if (a == "--threads")
+      c.threads = static_cast<int>(num());
+    else if (a == "--iters")
+      c.iters = static_cast<int>(num());
+    else if (a == "--warmup")
+      c.warmup = static_cast<int>(num());
+    else if (a == "--json")
+      c.json = next();
+    else if (a == "--help" || a == "-h")
+      usage("help");
+    else
+      usage(("unknown flag " + a).c_str());
   }
   const std::string known[] = {"all",       "forward", "forward-packed", "backward", "backward-packed",
                                "inference", "decode",  "scaling"};
   if (std::find(std::begin(known), std::end(known), c.suite) == std::end(known)) {
     usage(("unknown suite " + c.suite +
-           " (forward, forward-packed, backward, backward-packed, inference, decode, scaling, all)").c_str());
+           " (forward, forward-packed, backward, backward-packed, inference, decode, scaling, all)")
+              .c_str());
   }
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32") usage(("unknown dtype " + c.dtype).c_str());
   if (c.iters < 1) usage("--iters must be >= 1");
@@ -129,7 +149,7 @@ struct Record {
   // forward ratio then compares times taken under the same load)
   double side_ms = 0;
   std::int64_t tokens = 0;  // scaling suite: T  // decode: state bytes moved per second, % of measured bandwidth
-  double speedup = 0;  // over the baseline in the same run, 0 if none
+  double speedup = 0;       // over the baseline in the same run, 0 if none
 };
 
 // The representative workload of SPEC.md section 5 (or the flags' variation of it).
@@ -157,10 +177,16 @@ struct Problem {
 
   Problem(const Config& cfg, const Workload& w, bool backward)
       : N(w.cu.empty() ? w.B : static_cast<std::int64_t>(w.cu.size()) - 1),
-        q(w.dtype, {w.B, w.T, w.H, w.K}), k(w.dtype, {w.B, w.T, w.H, w.K}), v(w.dtype, {w.B, w.T, w.HV, w.V}),
-        g(w.dtype, {w.B, w.T, w.HV, w.K}), beta(w.dtype, {w.B, w.T, w.HV}), A_log(kda::DType::kF32, {w.HV}),
-        dt_bias(kda::DType::kF32, {w.HV * w.K}), o(w.dtype, {w.B, w.T, w.HV, w.V}),
-        h0(kda::DType::kF32, {N, w.HV, w.K, w.V}), ht(kda::DType::kF32, {N, w.HV, w.K, w.V}),
+        q(w.dtype, {w.B, w.T, w.H, w.K}),
+        k(w.dtype, {w.B, w.T, w.H, w.K}),
+        v(w.dtype, {w.B, w.T, w.HV, w.V}),
+        g(w.dtype, {w.B, w.T, w.HV, w.K}),
+        beta(w.dtype, {w.B, w.T, w.HV}),
+        A_log(kda::DType::kF32, {w.HV}),
+        dt_bias(kda::DType::kF32, {w.HV * w.K}),
+        o(w.dtype, {w.B, w.T, w.HV, w.V}),
+        h0(kda::DType::kF32, {N, w.HV, w.K, w.V}),
+        ht(kda::DType::kF32, {N, w.HV, w.K, w.V}),
         cu(kda::DType::kI64, {w.cu.empty() ? 1 : static_cast<std::int64_t>(w.cu.size())}) {
     fill(q, -1, 1, 1);
     fill(k, -1, 1, 2);
@@ -183,7 +209,9 @@ struct Problem {
     fwd.options.bf16_dot_products = cfg.bf16_dot;
     fwd.options.num_threads = cfg.threads;
     if (!backward) return;
-    auto make = [](kda::DType dt, std::initializer_list<std::int64_t> shape) { return std::make_unique<Tensor>(dt, shape); };
+    auto make = [](kda::DType dt, std::initializer_list<std::int64_t> shape) {
+      return std::make_unique<Tensor>(dt, shape);
+    };
     d_o = make(w.dtype, {w.B, w.T, w.HV, w.V});
     dht = make(kda::DType::kF32, {N, w.HV, w.K, w.V});
     fill(*d_o, -1, 1, 9);
@@ -270,9 +298,7 @@ enum class Residual { kSaved, kSavedVNew, kRemat };
 struct AttachedResidual {
   std::unique_ptr<Tensor> states;  // [NC, HV, K, V] fp32
   std::unique_ptr<Tensor> v_new;   // [B, T, HV, V] fp32
-  std::int64_t bytes() const {
-    return 4 * ((states ? states->view.numel() : 0) + (v_new ? v_new->view.numel() : 0));
-  }
+  std::int64_t bytes() const { return 4 * ((states ? states->view.numel() : 0) + (v_new ? v_new->view.numel() : 0)); }
 };
 
 AttachedResidual attach_residual(const Workload& w, kda::ForwardParams& fwd, Residual kind) {
@@ -341,11 +367,11 @@ void write_json(const Config& cfg, const std::vector<Record>& recs, const kda_be
       << ", \"max_ms\": " << r.max_ms << ", \"peak_bytes\": " << r.peak_bytes << ", \"extra_bytes\": " << r.extra_bytes
       << ", \"residual_bytes\": " << r.residual_bytes << ", \"gflops\": " << r.gflops << ", \"gbps\": " << r.gbps
       << ", \"pct_of_limit\": " << r.pct_of_limit << ", \"side_by_side_stream_gbps\": " << r.side_gbps
-      << ", \"side_by_side_forward_ms\": " << r.side_ms
-      << ", \"tokens\": " << r.tokens << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \""
-      << kda::cpu_target() << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters
-      << ", \"limits\": {\"fp32_fma_gflops\": " << lim.fp32_fma_gflops << ", \"bf16_dot_gflops\": " << lim.bf16_dot_gflops
-      << ", \"bandwidth_gbps\": " << lim.bandwidth_gbps << "}}"
+      << ", \"side_by_side_forward_ms\": " << r.side_ms << ", \"tokens\": " << r.tokens
+      << ", \"speedup_vs_baseline\": " << r.speedup << ", \"cpu_target\": \"" << kda::cpu_target()
+      << "\", \"threads\": " << cfg.threads << ", \"iters\": " << cfg.iters
+      << ", \"limits\": {\"fp32_fma_gflops\": " << lim.fp32_fma_gflops
+      << ", \"bf16_dot_gflops\": " << lim.bf16_dot_gflops << ", \"bandwidth_gbps\": " << lim.bandwidth_gbps << "}}"
       << (i + 1 < recs.size() ? "," : "") << "\n";
   }
   f << "]\n";
@@ -442,7 +468,8 @@ std::vector<Record> inference_suite(const Config& cfg) {
     std::string name;
   };
   std::vector<Shape> shapes;
-  const std::vector<std::int64_t> Ts = cfg.tokens_set ? std::vector<std::int64_t>{cfg.tokens} : std::vector<std::int64_t>{512, 8192};
+  const std::vector<std::int64_t> Ts =
+      cfg.tokens_set ? std::vector<std::int64_t>{cfg.tokens} : std::vector<std::int64_t>{512, 8192};
   for (std::int64_t T : Ts) {
     const std::int64_t cut = T / 2 - 13;  // not a multiple of 64 (or 8)
     shapes.push_back({T, {0, cut, T}, "B=1 T=" + std::to_string(T) + " N=2"});
@@ -506,8 +533,10 @@ std::vector<Record> decode_suite(const Config& cfg) {
   // accepted token: read slot n T, written slots n T .. n T + T - 1), as vLLM's speculative
   // decoding does: one state read and T written per row.
   std::vector<std::pair<std::int64_t, std::int64_t>> shapes;
-  if (cfg.batch > 0 || cfg.tokens_set) shapes = {{cfg.batch > 0 ? cfg.batch : 64, cfg.tokens_set ? cfg.tokens : 1}};
-  else shapes = {{1, 1}, {16, 1}, {64, 1}, {256, 1}, {64, 4}};
+  if (cfg.batch > 0 || cfg.tokens_set)
+    shapes = {{cfg.batch > 0 ? cfg.batch : 64, cfg.tokens_set ? cfg.tokens : 1}};
+  else
+    shapes = {{1, 1}, {16, 1}, {64, 1}, {256, 1}, {64, 4}};
   const std::int64_t H = cfg.heads_set ? cfg.heads : 32;
   for (const auto& [N, T] : shapes) {
     Workload w;
@@ -560,8 +589,7 @@ std::vector<Record> decode_suite(const Config& cfg) {
             check(kda::decode(dp));
             return std::int64_t{0};
           },
-          0,
-          [&] { stream_s.push_back(kda_bench::stream_update_seconds(stream.get(), stream_n, threads)); });
+          0, [&] { stream_s.push_back(kda_bench::stream_update_seconds(stream.get(), stream_n, threads)); });
       r.side_gbps = state_bytes / median(stream_s) / 1e9;
       r.gbps = state_bytes / (r.median_ms * 1e-3) / 1e9;
       return r;
@@ -641,8 +669,10 @@ const Record* find(const std::vector<Record>& recs, const std::string& suite, co
 int main(int argc, char** argv) {
   const Config cfg = parse(argc, argv);
   std::vector<std::string> suites;
-  if (cfg.suite == "all") suites = {"forward", "forward-packed", "backward", "backward-packed", "inference", "decode"};
-  else suites = {cfg.suite};
+  if (cfg.suite == "all")
+    suites = {"forward", "forward-packed", "backward", "backward-packed", "inference", "decode"};
+  else
+    suites = {cfg.suite};
 
   std::printf("kda-bench %s, cpu target %s, threads %s, %d iterations after %d warm-up\n", kda::version(),
               kda::cpu_target(), cfg.threads ? std::to_string(cfg.threads).c_str() : "all", cfg.iters, cfg.warmup);
@@ -654,19 +684,25 @@ int main(int argc, char** argv) {
   std::vector<Record> recs;
   for (const std::string& suite : suites) {
     std::vector<Record> r;
-    if (suite == "backward" || suite == "backward-packed") r = backward_suite(cfg, suite);
-    else if (suite == "inference") r = inference_suite(cfg);
-    else if (suite == "decode") r = decode_suite(cfg);
-    else if (suite == "scaling") r = scaling_suite(cfg);
-    else r = forward_suite(cfg, suite);
+    if (suite == "backward" || suite == "backward-packed")
+      r = backward_suite(cfg, suite);
+    else if (suite == "inference")
+      r = inference_suite(cfg);
+    else if (suite == "decode")
+      r = decode_suite(cfg);
+    else if (suite == "scaling")
+      r = scaling_suite(cfg);
+    else
+      r = forward_suite(cfg, suite);
     recs.insert(recs.end(), r.begin(), r.end());
   }
   std::fprintf(stderr, "[kda-bench] measuring the machine's limits again ...\n");
   const kda_bench::MachineLimits again = kda_bench::measure_limits(cfg.threads);
-  std::printf("machine limits (%d threads, the higher of two measurements, before: %.1f / %.1f / %.1f, after: %.1f / "
-              "%.1f / %.1f): ",
-              limits.threads, limits.fp32_fma_gflops, limits.bf16_dot_gflops, limits.bandwidth_gbps,
-              again.fp32_fma_gflops, again.bf16_dot_gflops, again.bandwidth_gbps);
+  std::printf(
+      "machine limits (%d threads, the higher of two measurements, before: %.1f / %.1f / %.1f, after: %.1f / "
+      "%.1f / %.1f): ",
+      limits.threads, limits.fp32_fma_gflops, limits.bf16_dot_gflops, limits.bandwidth_gbps, again.fp32_fma_gflops,
+      again.bf16_dot_gflops, again.bandwidth_gbps);
   limits.fp32_fma_gflops = std::max(limits.fp32_fma_gflops, again.fp32_fma_gflops);
   limits.bf16_dot_gflops = std::max(limits.bf16_dot_gflops, again.bf16_dot_gflops);
   limits.bandwidth_gbps = std::max(limits.bandwidth_gbps, again.bandwidth_gbps);
@@ -676,18 +712,23 @@ int main(int argc, char** argv) {
   for (Record& r : recs)
     if (r.gbps > 0) r.pct_of_limit = 100.0 * r.gbps / bandwidth;
   // Compute results are compared with the peak matching the input dtype.
-  const double compute_limit = cfg.dtype == "fp32" ? limits.fp32_fma_gflops
-                                                   : (limits.bf16_dot_gflops > 0 ? limits.bf16_dot_gflops : limits.fp32_fma_gflops);
+  const double compute_limit = cfg.dtype == "fp32"
+                                   ? limits.fp32_fma_gflops
+                                   : (limits.bf16_dot_gflops > 0 ? limits.bf16_dot_gflops : limits.fp32_fma_gflops);
 
-  std::printf("\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s (%% of limit) | peak MB | extra MB | residual MB | speed-up vs baseline |\n");
+  std::printf(
+      "\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s (%% of limit) | peak MB | "
+      "extra MB | residual MB | speed-up vs baseline |\n");
   std::printf("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Record& r : recs) {
     char sp[32] = "-";
     if (r.speedup > 0) std::snprintf(sp, sizeof sp, "%.2fx", r.speedup);
     char rate[48];
     const double pct = r.gbps > 0 ? r.pct_of_limit : (compute_limit > 0 ? 100.0 * r.gflops / compute_limit : 0.0);
-    if (r.gbps > 0) std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, pct);
-    else std::snprintf(rate, sizeof rate, "%.1f (%.0f%%)", r.gflops, pct);
+    if (r.gbps > 0)
+      std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, pct);
+    else
+      std::snprintf(rate, sizeof rate, "%.1f (%.0f%%)", r.gflops, pct);
     std::printf("| %s | %s | %s | %s | %.2f | %.2f | %.2f | %s | %s | %s | %s | %s |\n", r.suite.c_str(),
                 r.path.c_str(), r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, rate,
                 mb(r.peak_bytes).c_str(), mb(r.extra_bytes).c_str(), mb(r.residual_bytes).c_str(), sp);
@@ -698,10 +739,11 @@ int main(int argc, char** argv) {
       std::printf("inference %s: %.2fx the training forward's latency; peak = inputs + outputs + states + %s MB\n",
                   r.shape.c_str(), 1.0 / r.speedup, mb(r.extra_bytes).c_str());
     if (r.suite == "decode" && r.path != "oracle-loop")
-      std::printf("%s %s (%s pool): %.1f GB/s of state traffic, %.0f%% of the measured %.1f GB/s; %.0f%% of an "
-                  "in-place stream over the same bytes timed alternately (%.1f GB/s)\n",
-                  r.path.c_str(), r.shape.c_str(), r.path == "decode" ? "K-first" : "V-first", r.gbps, r.pct_of_limit,
-                  bandwidth, 100.0 * r.gbps / r.side_gbps, r.side_gbps);
+      std::printf(
+          "%s %s (%s pool): %.1f GB/s of state traffic, %.0f%% of the measured %.1f GB/s; %.0f%% of an "
+          "in-place stream over the same bytes timed alternately (%.1f GB/s)\n",
+          r.path.c_str(), r.shape.c_str(), r.path == "decode" ? "K-first" : "V-first", r.gbps, r.pct_of_limit,
+          bandwidth, 100.0 * r.gbps / r.side_gbps, r.side_gbps);
   }
   {
     double lo = 0, hi = 0;
@@ -712,13 +754,15 @@ int main(int argc, char** argv) {
         hi = std::max(hi, us);
         std::printf("scaling: T=%lld fused %.2f us/token\n", static_cast<long long>(r.tokens), us);
       }
-    if (hi > 0) std::printf("scaling: time per token varies by %.0f%% from T=1K to 32K (max/min)\n", 100.0 * (hi / lo - 1));
+    if (hi > 0)
+      std::printf("scaling: time per token varies by %.0f%% from T=1K to 32K (max/min)\n", 100.0 * (hi / lo - 1));
     const Record* one = nullptr;
     const Record* many = nullptr;
     for (const Record& r : recs)
       if (r.suite == "scaling-threads") (one ? many : one) = &r;
-    if (one && many) std::printf("scaling: %s %.1f ms, %s %.1f ms (%.2fx)\n", one->path.c_str(), one->median_ms,
-                                 many->path.c_str(), many->median_ms, one->median_ms / many->median_ms);
+    if (one && many)
+      std::printf("scaling: %s %.1f ms, %s %.1f ms (%.2fx)\n", one->path.c_str(), one->median_ms, many->path.c_str(),
+                  many->median_ms, one->median_ms / many->median_ms);
   }
   for (const std::string& suite : suites) {
     if (const Record* f = find(recs, suite, "fused"); f && find(recs, suite, "staged")) {
@@ -730,19 +774,22 @@ int main(int argc, char** argv) {
     const Record* fs = find(recs, suite, "fused-saved");
     const Record* fr = find(recs, suite, "fused-remat");
     if (fo && fs && fr) {
-      std::printf("%s: fwd+bwd (saved) %.2fx the fused forward alone (%.2fx the forward timed alternately with "
-                  "it); remat residual %.0f%% below saved (%s MB vs %s MB), remat step %.2fx the saved one\n",
-                  suite.c_str(), fs->median_ms / fo->median_ms, fs->median_ms / fs->side_ms,
-                  fs->residual_bytes ? 100.0 * (1.0 - static_cast<double>(fr->residual_bytes) / fs->residual_bytes) : 0.0,
-                  mb(fr->residual_bytes).c_str(), mb(fs->residual_bytes).c_str(), fr->median_ms / fs->median_ms);
+      std::printf(
+          "%s: fwd+bwd (saved) %.2fx the fused forward alone (%.2fx the forward timed alternately with "
+          "it); remat residual %.0f%% below saved (%s MB vs %s MB), remat step %.2fx the saved one\n",
+          suite.c_str(), fs->median_ms / fo->median_ms, fs->median_ms / fs->side_ms,
+          fs->residual_bytes ? 100.0 * (1.0 - static_cast<double>(fr->residual_bytes) / fs->residual_bytes) : 0.0,
+          mb(fr->residual_bytes).c_str(), mb(fs->residual_bytes).c_str(), fr->median_ms / fs->median_ms);
       if (const Record* fv = find(recs, suite, "fused-saved-vnew"))
-        std::printf("%s: fwd+bwd (saved + v_new) %.2fx the fused forward alone (%.2fx the forward timed alternately "
-                    "with it), %.2fx the saved step; residual %s MB\n",
-                    suite.c_str(), fv->median_ms / fo->median_ms, fv->median_ms / fv->side_ms, fv->median_ms / fs->median_ms,
-                    mb(fv->residual_bytes).c_str());
+        std::printf(
+            "%s: fwd+bwd (saved + v_new) %.2fx the fused forward alone (%.2fx the forward timed alternately "
+            "with it), %.2fx the saved step; residual %s MB\n",
+            suite.c_str(), fv->median_ms / fo->median_ms, fv->median_ms / fv->side_ms, fv->median_ms / fs->median_ms,
+            mb(fv->residual_bytes).c_str());
       if (const Record* ss = find(recs, suite, "staged-saved"))
         std::printf("%s: fused fwd+bwd %.2fx faster than staged, peak memory %.0f%% lower\n", suite.c_str(),
-                    ss->median_ms / fs->median_ms, 100.0 * (1.0 - static_cast<double>(fs->peak_bytes) / ss->peak_bytes));
+                    ss->median_ms / fs->median_ms,
+                    100.0 * (1.0 - static_cast<double>(fs->peak_bytes) / ss->peak_bytes));
     }
   }
   for (Record& r : recs)

@@ -1,17 +1,17 @@
 // Measured limits of this machine, with all threads: fp32 FMA peak, bf16 dot-product peak
-// (AVX-512 BF16 vdpbf16ps), streaming memory bandwidth (in-place update, read + write bytes). kda-bench prints them first and reports
-// every result as a percentage of the matching one.
+// (AVX-512 BF16 vdpbf16ps), streaming memory bandwidth (in-place update, read + write bytes). kda-bench prints them
+// first and reports every result as a percentage of the matching one.
 #include "machine_limits.hpp"
-
-#include "kda/memory.hpp"
 
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
+
+#include "kda/memory.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

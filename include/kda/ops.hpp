@@ -33,8 +33,8 @@ struct ForwardParams {
   // [slots, HV, V, K]) and sequence n starts from slot initial_state_indices[n] (negative: zero
   // state), read in place without a gather copy. Not with segment_ids.
   TensorView initial_state_indices;
-  TensorView o;              // required
-  TensorView final_state;    // optional output
+  TensorView o;            // required
+  TensorView final_state;  // optional output
   // Optional output: the state entering every chunk, fp32 [NC, HV, K, V] (V-first: [NC, HV, V, K]),
   // NC = forward_chunk_count(params). Chunks are numbered segment by segment in plan order
   // (fixed: batch rows; cu_seqlens: segments; segment_ids: row-major over [B, max_num_segments])

@@ -28,8 +28,8 @@ class Status {
 
 }  // namespace kda
 
-#define KDA_RETURN_IF_ERROR(expr)      \
-  do {                                 \
-    ::kda::Status kda_status_ = (expr); \
+#define KDA_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::kda::Status kda_status_ = (expr);        \
     if (!kda_status_.ok()) return kda_status_; \
   } while (0)

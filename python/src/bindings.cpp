@@ -4,13 +4,6 @@
 // Arrays are wrapped, never copied: nanobind gives element strides, which is what
 // kda::TensorView takes. All shape and semantic checks are the library's (its messages name
 // the argument); a failed kda::Status becomes a Python ValueError with that message verbatim.
-#include <cmath>
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <tuple>
-#include <utility>
-
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -18,14 +11,21 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+
 #include "kda/kda.hpp"
 
 namespace nb = nanobind;
 
 namespace {
 
-using InArray = nb::ndarray<nb::ro, nb::device::cpu>;   // inputs: read-only views accepted
-using OutArray = nb::ndarray<nb::device::cpu>;           // outputs: must be writable
+using InArray = nb::ndarray<nb::ro, nb::device::cpu>;  // inputs: read-only views accepted
+using OutArray = nb::ndarray<nb::device::cpu>;         // outputs: must be writable
 using In = std::optional<std::pair<InArray, std::string>>;
 using Out = std::optional<std::pair<OutArray, std::string>>;
 
@@ -48,14 +48,14 @@ kda::TensorView make_view(const std::optional<std::pair<Array, std::string>>& ar
   const Array& a = arg->first;
   t.dtype = parse_dtype(arg->second, name);
   if (a.itemsize() != kda::dtype_size(t.dtype)) {
-    throw nb::value_error(("kda: argument '" + std::string(name) + "': dtype code '" + arg->second +
-                           "' needs " + std::to_string(kda::dtype_size(t.dtype)) +
-                           "-byte elements, got an array of " + std::to_string(a.itemsize()) + "-byte elements")
+    throw nb::value_error(("kda: argument '" + std::string(name) + "': dtype code '" + arg->second + "' needs " +
+                           std::to_string(kda::dtype_size(t.dtype)) + "-byte elements, got an array of " +
+                           std::to_string(a.itemsize()) + "-byte elements")
                               .c_str());
   }
   if (a.ndim() > static_cast<std::size_t>(kda::kMaxDims)) {
-    throw nb::value_error(("kda: argument '" + std::string(name) + "': at most " +
-                           std::to_string(kda::kMaxDims) + " dims, got " + std::to_string(a.ndim()))
+    throw nb::value_error(("kda: argument '" + std::string(name) + "': at most " + std::to_string(kda::kMaxDims) +
+                           " dims, got " + std::to_string(a.ndim()))
                               .c_str());
   }
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
@@ -92,14 +92,14 @@ kda::Options make_options(std::optional<float> scale, bool use_qk_l2norm_in_kern
 
 // The forward's inputs and options, shared by every entry point (forward, forward_chunk_count,
 // backward). Outputs (o, final_state, chunk_states) are set by the caller.
-kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const In& g, const In& beta,
-                                  const In& A_log, const In& dt_bias, const In& cu_seqlens,
-                                  const In& segment_ids, std::int64_t max_num_segments, const In& initial_state,
-                                  const In& initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel,
-                                  bool use_gate_in_kernel, std::optional<float> lower_bound,
-                                  bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, int chunk_size,
-                                  bool state_v_first, const std::string& path, int num_threads,
-                                  bool bf16_dot_products) {
+kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const In& g, const In& beta, const In& A_log,
+                                  const In& dt_bias, const In& cu_seqlens, const In& segment_ids,
+                                  std::int64_t max_num_segments, const In& initial_state,
+                                  const In& initial_state_indices, std::optional<float> scale,
+                                  bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
+                                  std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel,
+                                  bool allow_neg_eigval, int chunk_size, bool state_v_first, const std::string& path,
+                                  int num_threads, bool bf16_dot_products) {
   kda::ForwardParams p;
   p.q = make_view(q, "q");
   p.k = make_view(k, "k");
@@ -133,16 +133,18 @@ void call(Fn&& fn) {
 }
 
 // The forward's Python signature: every input and option, then the outputs.
-#define KDA_FORWARD_ARGS                                                                                      \
-  const In &q, const In &k, const In &v, const In &g, const In &beta, const In &A_log, const In &dt_bias,   \
-      const In &cu_seqlens, const In &segment_ids, std::int64_t max_num_segments, const In &initial_state,   \
-      const In &initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,                     \
-      std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,              \
-      int chunk_size, bool state_v_first, const std::string &path, int num_threads, bool bf16_dot_products
+#define KDA_FORWARD_ARGS                                                                                   \
+  const In &q, const In &k, const In &v, const In &g, const In &beta, const In &A_log, const In &dt_bias,  \
+      const In &cu_seqlens, const In &segment_ids, std::int64_t max_num_segments, const In &initial_state, \
+      const In &initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel,           \
+      bool use_gate_in_kernel, std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel,          \
+      bool allow_neg_eigval, int chunk_size, bool state_v_first, const std::string &path, int num_threads, \
+      bool bf16_dot_products
 #define KDA_FORWARD_PARAMS                                                                                   \
   forward_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, segment_ids, max_num_segments, initial_state, \
-                 initial_state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, \
-                 allow_neg_eigval, chunk_size, state_v_first, path, num_threads, bf16_dot_products)
+                 initial_state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,     \
+                 use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first, path, num_threads, \
+                 bf16_dot_products)
 
 using ForwardEntry = kda::Status (*)(const kda::ForwardParams&);
 using BackwardEntry = kda::Status (*)(const kda::BackwardParams&);
@@ -217,17 +219,16 @@ void decode_entry(const In& q, const In& k, const In& v, const In& g, const In& 
   call([&] { return kda::decode(p); });
 }
 
-#define KDA_FORWARD_NB_ARGS                                                                                    \
-  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::kw_only(),                     \
-      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                           \
-      nb::arg("cu_seqlens").none() = nb::none(), nb::arg("segment_ids").none() = nb::none(),                  \
-      nb::arg("max_num_segments") = 0, nb::arg("initial_state").none() = nb::none(),                          \
-      nb::arg("initial_state_indices").none() = nb::none(),                                                   \
-      nb::arg("scale").none() = nb::none(), nb::arg("use_qk_l2norm_in_kernel") = false,                       \
-      nb::arg("use_gate_in_kernel") = false, nb::arg("lower_bound").none() = nb::none(),                      \
-      nb::arg("use_beta_sigmoid_in_kernel") = false, nb::arg("allow_neg_eigval") = false,                     \
-      nb::arg("chunk_size") = 64, nb::arg("state_v_first") = false, nb::arg("path") = "fused",                \
-      nb::arg("num_threads") = 0, nb::arg("bf16_dot_products") = true
+#define KDA_FORWARD_NB_ARGS                                                                              \
+  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::kw_only(),                \
+      nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),                      \
+      nb::arg("cu_seqlens").none() = nb::none(), nb::arg("segment_ids").none() = nb::none(),             \
+      nb::arg("max_num_segments") = 0, nb::arg("initial_state").none() = nb::none(),                     \
+      nb::arg("initial_state_indices").none() = nb::none(), nb::arg("scale").none() = nb::none(),        \
+      nb::arg("use_qk_l2norm_in_kernel") = false, nb::arg("use_gate_in_kernel") = false,                 \
+      nb::arg("lower_bound").none() = nb::none(), nb::arg("use_beta_sigmoid_in_kernel") = false,         \
+      nb::arg("allow_neg_eigval") = false, nb::arg("chunk_size") = 64, nb::arg("state_v_first") = false, \
+      nb::arg("path") = "fused", nb::arg("num_threads") = 0, nb::arg("bf16_dot_products") = true
 
 template <typename Fn>
 void def_forward(nb::module_& m, const char* name, Fn fn, const char* doc) {
@@ -238,10 +239,9 @@ void def_forward(nb::module_& m, const char* name, Fn fn, const char* doc) {
 template <typename Fn>
 void def_backward(nb::module_& m, const char* name, Fn fn, const char* doc) {
   m.def(name, fn, KDA_FORWARD_NB_ARGS, nb::arg("chunk_states").none() = nb::none(),
-        nb::arg("v_new").none() = nb::none(), nb::arg("d_o"),
-        nb::arg("d_final_state").none() = nb::none(), nb::arg("dq").none() = nb::none(),
-        nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(), nb::arg("dg").none() = nb::none(),
-        nb::arg("dbeta").none() = nb::none(), nb::arg("dh0").none() = nb::none(),
+        nb::arg("v_new").none() = nb::none(), nb::arg("d_o"), nb::arg("d_final_state").none() = nb::none(),
+        nb::arg("dq").none() = nb::none(), nb::arg("dk").none() = nb::none(), nb::arg("dv").none() = nb::none(),
+        nb::arg("dg").none() = nb::none(), nb::arg("dbeta").none() = nb::none(), nb::arg("dh0").none() = nb::none(),
         nb::arg("dA_log").none() = nb::none(), nb::arg("ddt_bias").none() = nb::none(), doc);
 }
 
@@ -271,27 +271,28 @@ NB_MODULE(_libkda, m) {
   def_backward(m, "backward", &backward_entry<&kda::chunk_backward>,
                "The chunked backward (kda::chunk_backward). Forward inputs and options as in forward; "
                "chunk_states (the forward's, read) selects the saved-state policy, absent = "
-               "rematerialized; v_new (the forward's, read) replaces the recomputed token deltas. d_o is required, d_final_state optional; the gradients dq, dk, dv, dg, "
+               "rematerialized; v_new (the forward's, read) replaces the recomputed token deltas. d_o is required, "
+               "d_final_state optional; the gradients dq, dk, dv, dg, "
                "dbeta, dh0, dA_log, ddt_bias are each optional outputs written in place.");
   def_backward(m, "reference_backward", &backward_entry<&kda::reference_backward>,
                "The fp64 adjoint oracle (kda::reference_backward); same arguments as backward.");
 
-  m.def("decode", &decode_entry, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
-        nb::kw_only(), nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(),
-        nb::arg("state_pool").none(), nb::arg("slot_indices").none(),
-        nb::arg("num_accepted_tokens").none() = nb::none(), nb::arg("scale").none() = nb::none(),
-        nb::arg("use_qk_l2norm_in_kernel") = false, nb::arg("use_gate_in_kernel") = false,
-        nb::arg("lower_bound").none() = nb::none(), nb::arg("use_beta_sigmoid_in_kernel") = false,
-        nb::arg("allow_neg_eigval") = false, nb::arg("state_v_first") = false, nb::arg("num_threads") = 0,
-        nb::arg("o"),
+  m.def("decode", &decode_entry, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::kw_only(),
+        nb::arg("A_log").none() = nb::none(), nb::arg("dt_bias").none() = nb::none(), nb::arg("state_pool").none(),
+        nb::arg("slot_indices").none(), nb::arg("num_accepted_tokens").none() = nb::none(),
+        nb::arg("scale").none() = nb::none(), nb::arg("use_qk_l2norm_in_kernel") = false,
+        nb::arg("use_gate_in_kernel") = false, nb::arg("lower_bound").none() = nb::none(),
+        nb::arg("use_beta_sigmoid_in_kernel") = false, nb::arg("allow_neg_eigval") = false,
+        nb::arg("state_v_first") = false, nb::arg("num_threads") = 0, nb::arg("o"),
         "Decode against a state pool (kda::decode): T tokens per sequence, token by token. state_pool "
         "(fp32 [slots, HV, K, V], V-first [slots, HV, V, K]) is updated in place through slot_indices "
         "([N] or [N, T]) and num_accepted_tokens ([N], optional); o [N, T, HV, V] is written. Raises "
         "ValueError with the library's message; on error nothing is written.");
 
-  m.def("version", [] { return std::string(kda::version()); }, "Library version, MAJOR.MINOR.PATCH.");
-  m.def("cpu_target", [] { return std::string(kda::cpu_target()); },
-        "The CPU kernel target chosen at run time.");
+  m.def(
+      "version", [] { return std::string(kda::version()); }, "Library version, MAJOR.MINOR.PATCH.");
+  m.def(
+      "cpu_target", [] { return std::string(kda::cpu_target()); }, "The CPU kernel target chosen at run time.");
   m.def(
       "memory_stats",
       [] {

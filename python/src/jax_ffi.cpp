@@ -16,11 +16,11 @@
 //
 // Optional operands and results are passed as "remaining" args / rets; the `present` attribute
 // says which are there (bits below, mirrored by python/libkda/jax.py).
+#include <nanobind/nanobind.h>
+
 #include <cmath>
 #include <cstdint>
 #include <string>
-
-#include <nanobind/nanobind.h>
 
 #include "kda/kda.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -35,13 +35,13 @@ constexpr std::int64_t kHasALog = 1;
 constexpr std::int64_t kHasDtBias = 2;
 constexpr std::int64_t kHasSegmentIds = 4;
 constexpr std::int64_t kHasInitialState = 8;
-constexpr std::int64_t kHasChunkStates = 16;    // forward: result; backward: operand
-constexpr std::int64_t kHasDFinalState = 32;    // backward operand
-constexpr std::int64_t kWantDh0 = 64;           // backward result
-constexpr std::int64_t kWantDALog = 128;        // backward result
-constexpr std::int64_t kWantDdtBias = 256;      // backward result
-constexpr std::int64_t kWantFinalState = 512;   // forward result
-constexpr std::int64_t kHasVNew = 1024;         // forward: result; backward: operand (the token deltas)
+constexpr std::int64_t kHasChunkStates = 16;   // forward: result; backward: operand
+constexpr std::int64_t kHasDFinalState = 32;   // backward operand
+constexpr std::int64_t kWantDh0 = 64;          // backward result
+constexpr std::int64_t kWantDALog = 128;       // backward result
+constexpr std::int64_t kWantDdtBias = 256;     // backward result
+constexpr std::int64_t kWantFinalState = 512;  // forward result
+constexpr std::int64_t kHasVNew = 1024;        // forward: result; backward: operand (the token deltas)
 
 // `flags` bits (the same as the raw bindings, python/src/raw.cpp).
 constexpr std::int64_t kL2Norm = 1;
@@ -50,17 +50,32 @@ constexpr std::int64_t kBetaSigmoid = 4;
 constexpr std::int64_t kAllowNegEigval = 8;
 constexpr std::int64_t kFp32Products = 32;  // Options::bf16_dot_products = false
 
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument("kda (jax ffi): " + msg); }
+ffi::Error invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("kda (jax ffi): " + msg);
+}
 
 bool to_kda_dtype(ffi::DataType t, kda::DType* out) {
   switch (t) {
-    case ffi::DataType::F32: *out = kda::DType::kF32; return true;
-    case ffi::DataType::BF16: *out = kda::DType::kBF16; return true;
-    case ffi::DataType::F16: *out = kda::DType::kF16; return true;
-    case ffi::DataType::F64: *out = kda::DType::kF64; return true;
-    case ffi::DataType::S32: *out = kda::DType::kI32; return true;
-    case ffi::DataType::S64: *out = kda::DType::kI64; return true;
-    default: return false;
+    case ffi::DataType::F32:
+      *out = kda::DType::kF32;
+      return true;
+    case ffi::DataType::BF16:
+      *out = kda::DType::kBF16;
+      return true;
+    case ffi::DataType::F16:
+      *out = kda::DType::kF16;
+      return true;
+    case ffi::DataType::F64:
+      *out = kda::DType::kF64;
+      return true;
+    case ffi::DataType::S32:
+      *out = kda::DType::kI32;
+      return true;
+    case ffi::DataType::S64:
+      *out = kda::DType::kI64;
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -85,8 +100,12 @@ struct Lead {
 };
 
 // Core dim i (0-based after the leading dims).
-std::int64_t core_dim(const Dense& d, const Lead& L, int i) { return d.dims[L.n + i]; }
-std::int64_t core_stride(const Dense& d, const Lead& L, int i) { return d.strides[L.n + i]; }
+std::int64_t core_dim(const Dense& d, const Lead& L, int i) {
+  return d.dims[L.n + i];
+}
+std::int64_t core_stride(const Dense& d, const Lead& L, int i) {
+  return d.strides[L.n + i];
+}
 // The start of leading index li (row-major over L.dims); a leading dim of size 1 broadcasts.
 char* base(const Dense& d, const Lead& L, std::int64_t li) {
   std::int64_t offset = 0;
@@ -100,11 +119,12 @@ char* base(const Dense& d, const Lead& L, std::int64_t li) {
 
 ffi::Error make_dense(const XLA_FFI_Buffer* b, const char* name, int core, Dense* d) {
   d->buf = b;
-  if (!to_kda_dtype(ffi::DataType(b->dtype), &d->dtype)) return invalid(std::string("argument '") + name + "': unsupported dtype");
+  if (!to_kda_dtype(ffi::DataType(b->dtype), &d->dtype))
+    return invalid(std::string("argument '") + name + "': unsupported dtype");
   d->rank = static_cast<int>(b->rank);
   if (d->rank < core || d->rank > kda::kMaxDims + 4) {
-    return invalid(std::string("argument '") + name + "': expected rank " + std::to_string(core) + " (plus leading vmap dims), got " +
-                   std::to_string(d->rank));
+    return invalid(std::string("argument '") + name + "': expected rank " + std::to_string(core) +
+                   " (plus leading vmap dims), got " + std::to_string(d->rank));
   }
   std::int64_t s = 1;
   for (int i = d->rank - 1; i >= 0; --i) {
@@ -133,8 +153,12 @@ kda::TensorView view(const Dense& d, const Lead& L, std::int64_t li, std::initia
 }
 
 // Head-first [H, B, T, X] as batch-first [B, T, H, X]; [H, B, T] as [B, T, H].
-kda::TensorView head_first4(const Dense& d, const Lead& L, std::int64_t li) { return view(d, L, li, {1, 2, 0, 3}); }
-kda::TensorView head_first3(const Dense& d, const Lead& L, std::int64_t li) { return view(d, L, li, {1, 2, 0}); }
+kda::TensorView head_first4(const Dense& d, const Lead& L, std::int64_t li) {
+  return view(d, L, li, {1, 2, 0, 3});
+}
+kda::TensorView head_first3(const Dense& d, const Lead& L, std::int64_t li) {
+  return view(d, L, li, {1, 2, 0});
+}
 // States [B, N, HV, K, V]: as-is with segment_ids, [B, HV, K, V] (N == 1 dropped) without.
 kda::TensorView state_view(const Dense& d, const Lead& L, std::int64_t li, bool segmented) {
   if (segmented) return view(d, L, li, {0, 1, 2, 3, 4});
@@ -142,10 +166,14 @@ kda::TensorView state_view(const Dense& d, const Lead& L, std::int64_t li, bool 
 }
 kda::TensorView plain(const Dense& d, const Lead& L, std::int64_t li, int core) {
   switch (core) {
-    case 1: return view(d, L, li, {0});
-    case 2: return view(d, L, li, {0, 1});
-    case 4: return view(d, L, li, {0, 1, 2, 3});
-    default: return view(d, L, li, {0, 1, 2, 3, 4});
+    case 1:
+      return view(d, L, li, {0});
+    case 2:
+      return view(d, L, li, {0, 1});
+    case 4:
+      return view(d, L, li, {0, 1, 2, 3});
+    default:
+      return view(d, L, li, {0, 1, 2, 3, 4});
   }
 }
 
@@ -208,10 +236,10 @@ auto get_ret = [](const ffi::RemainingRets& r, std::size_t i) -> std::optional<f
   return **b;
 };
 
-#define KDA_FFI_TRY(expr)            \
-  do {                               \
-    ffi::Error _e = (expr);          \
-    if (_e.failure()) return _e;     \
+#define KDA_FFI_TRY(expr)        \
+  do {                           \
+    ffi::Error _e = (expr);      \
+    if (_e.failure()) return _e; \
   } while (0)
 
 struct Shims {
@@ -272,8 +300,8 @@ ffi::Error leading(std::initializer_list<std::pair<const Dense*, int>> operands,
   return ffi::Error::Success();
 }
 
-kda::ForwardParams forward_params(const ForwardOperands& f, const Lead& L, std::int64_t li, std::int64_t max_num_segments,
-                                  const kda::Options& opt) {
+kda::ForwardParams forward_params(const ForwardOperands& f, const Lead& L, std::int64_t li,
+                                  std::int64_t max_num_segments, const kda::Options& opt) {
   const bool seg = f.segment_ids.defined();
   kda::ForwardParams p;
   p.q = head_first4(f.q, L, li);
@@ -319,8 +347,15 @@ ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, floa
   if (present & kHasVNew) KDA_FFI_TRY(take(rets, &ri, "v_new", 4, &v_new, shims.next(), get_ret));
 
   Lead L;
-  KDA_FFI_TRY(leading({{&f.q, 4}, {&f.k, 4}, {&f.v, 4}, {&f.g, 4}, {&f.beta, 3}, {&f.a_log, 1}, {&f.dt_bias, 1},
-                       {&f.segment_ids, 2}, {&f.initial_state, 5}},
+  KDA_FFI_TRY(leading({{&f.q, 4},
+                       {&f.k, 4},
+                       {&f.v, 4},
+                       {&f.g, 4},
+                       {&f.beta, 3},
+                       {&f.a_log, 1},
+                       {&f.dt_bias, 1},
+                       {&f.segment_ids, 2},
+                       {&f.initial_state, 5}},
                       {{&o, 4}, {&final_state, 5}, {&chunk_states, 4}, {&v_new, 4}}, &L));
   const kda::Options opt = options_of(scale, lower_bound, flags, chunk_size);
   const bool seg = f.segment_ids.defined();
@@ -354,7 +389,8 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
   if (present & kHasChunkStates) KDA_FFI_TRY(take(args, &ai, "chunk_states", 4, &chunk_states, shims.next(), get_arg));
   if (present & kHasVNew) KDA_FFI_TRY(take(args, &ai, "v_new", 4, &v_new, shims.next(), get_arg));
   KDA_FFI_TRY(take(args, &ai, "d_output", 4, &d_o, shims.next(), get_arg));
-  if (present & kHasDFinalState) KDA_FFI_TRY(take(args, &ai, "d_final_state", 5, &d_final_state, shims.next(), get_arg));
+  if (present & kHasDFinalState)
+    KDA_FFI_TRY(take(args, &ai, "d_final_state", 5, &d_final_state, shims.next(), get_arg));
 
   std::size_t ri = 0;
   Dense dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias;
@@ -368,8 +404,18 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
   if (present & kWantDdtBias) KDA_FFI_TRY(take(rets, &ri, "d_delta_time_bias", 1, &ddt_bias, shims.next(), get_ret));
 
   Lead L;
-  KDA_FFI_TRY(leading({{&f.q, 4}, {&f.k, 4}, {&f.v, 4}, {&f.g, 4}, {&f.beta, 3}, {&f.a_log, 1}, {&f.dt_bias, 1},
-                       {&f.segment_ids, 2}, {&f.initial_state, 5}, {&chunk_states, 4}, {&v_new, 4}, {&d_o, 4},
+  KDA_FFI_TRY(leading({{&f.q, 4},
+                       {&f.k, 4},
+                       {&f.v, 4},
+                       {&f.g, 4},
+                       {&f.beta, 3},
+                       {&f.a_log, 1},
+                       {&f.dt_bias, 1},
+                       {&f.segment_ids, 2},
+                       {&f.initial_state, 5},
+                       {&chunk_states, 4},
+                       {&v_new, 4},
+                       {&d_o, 4},
                        {&d_final_state, 5}},
                       {{&dq, 4}, {&dk, 4}, {&dv, 4}, {&dg, 4}, {&dbeta, 3}, {&dh0, 5}, {&da_log, 1}, {&ddt_bias, 1}},
                       &L));

@@ -11,11 +11,11 @@
 // for the duration of the call (python/libkda/torch.py passes tensor.data_ptr() of live CPU
 // tensors). All shape, dtype and semantic checks are the library's; a failed kda::Status becomes
 // a Python ValueError with its message verbatim.
+#include <nanobind/nanobind.h>
+
 #include <cmath>
 #include <cstdint>
 #include <string>
-
-#include <nanobind/nanobind.h>
 
 #include "kda/kda.hpp"
 
@@ -32,8 +32,7 @@ constexpr std::int64_t kVFirst = 16;
 constexpr std::int64_t kFp32Products = 32;  // Options::bf16_dot_products = false
 
 [[noreturn]] void bad_descriptor(const char* name, const char* what) {
-  throw nb::value_error(
-      (std::string("kda: argument '") + name + "': bad tensor descriptor (" + what + ")").c_str());
+  throw nb::value_error((std::string("kda: argument '") + name + "': bad tensor descriptor (" + what + ")").c_str());
 }
 
 std::int64_t as_int(PyObject* o, const char* name) {
@@ -55,7 +54,8 @@ kda::TensorView view_of(PyObject* d, const char* name) {
   const std::int64_t code = as_int(PyTuple_GET_ITEM(d, 1), name);
   PyObject* shape = PyTuple_GET_ITEM(d, 2);
   PyObject* strides = PyTuple_GET_ITEM(d, 3);
-  if (code < 0 || code > static_cast<std::int64_t>(kda::DType::kI64)) bad_descriptor(name, "unsupported dtype; expected float32, bfloat16, float16, float64, int32 or int64");
+  if (code < 0 || code > static_cast<std::int64_t>(kda::DType::kI64))
+    bad_descriptor(name, "unsupported dtype; expected float32, bfloat16, float16, float64, int32 or int64");
   if (!PyTuple_Check(shape) || !PyTuple_Check(strides)) bad_descriptor(name, "shape and strides must be tuples");
   const Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
   if (PyTuple_GET_SIZE(strides) != ndim) bad_descriptor(name, "shape and strides differ in length");
@@ -106,9 +106,9 @@ kda::Options options_of(double scale, double lower_bound, std::int64_t flags, st
 //   o, final_state, chunk_states, v_new
 constexpr Py_ssize_t kForwardTensors = 15;
 
-kda::ForwardParams forward_params(const nb::tuple& t, std::int64_t max_num_segments, double scale,
-                                  double lower_bound, std::int64_t flags, std::int64_t chunk_size,
-                                  std::int64_t path, std::int64_t num_threads) {
+kda::ForwardParams forward_params(const nb::tuple& t, std::int64_t max_num_segments, double scale, double lower_bound,
+                                  std::int64_t flags, std::int64_t chunk_size, std::int64_t path,
+                                  std::int64_t num_threads) {
   kda::ForwardParams p;
   p.q = item(t, 0, "q");
   p.k = item(t, 1, "k");
@@ -185,9 +185,8 @@ std::int64_t raw_forward(int entry, const nb::tuple& tensors, std::int64_t max_n
 // forward's token deltas) then
 //   d_o, d_final_state, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 // entry: 0 chunk_backward, 1 reference_backward.
-void raw_backward(int entry, const nb::tuple& tensors, std::int64_t max_num_segments, double scale,
-                  double lower_bound, std::int64_t flags, std::int64_t chunk_size, std::int64_t path,
-                  std::int64_t num_threads) {
+void raw_backward(int entry, const nb::tuple& tensors, std::int64_t max_num_segments, double scale, double lower_bound,
+                  std::int64_t flags, std::int64_t chunk_size, std::int64_t path, std::int64_t num_threads) {
   expect_count(tensors, kForwardTensors + 10, "raw_backward");
   kda::BackwardParams p;
   p.forward = forward_params(tensors, max_num_segments, scale, lower_bound, flags, chunk_size, path, num_threads);

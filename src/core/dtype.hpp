@@ -41,12 +41,18 @@ static inline std::uint16_t f32_to_f16(float f) {
 template <typename T>
 static inline T load_as(const void* base, DType dtype, std::int64_t offset) {
   switch (dtype) {
-    case DType::kF32: return static_cast<T>(static_cast<const float*>(base)[offset]);
-    case DType::kBF16: return static_cast<T>(bf16_to_f32(static_cast<const std::uint16_t*>(base)[offset]));
-    case DType::kF16: return static_cast<T>(f16_to_f32(static_cast<const std::uint16_t*>(base)[offset]));
-    case DType::kF64: return static_cast<T>(static_cast<const double*>(base)[offset]);
-    case DType::kI32: return static_cast<T>(static_cast<const std::int32_t*>(base)[offset]);
-    case DType::kI64: return static_cast<T>(static_cast<const std::int64_t*>(base)[offset]);
+    case DType::kF32:
+      return static_cast<T>(static_cast<const float*>(base)[offset]);
+    case DType::kBF16:
+      return static_cast<T>(bf16_to_f32(static_cast<const std::uint16_t*>(base)[offset]));
+    case DType::kF16:
+      return static_cast<T>(f16_to_f32(static_cast<const std::uint16_t*>(base)[offset]));
+    case DType::kF64:
+      return static_cast<T>(static_cast<const double*>(base)[offset]);
+    case DType::kI32:
+      return static_cast<T>(static_cast<const std::int32_t*>(base)[offset]);
+    case DType::kI64:
+      return static_cast<T>(static_cast<const std::int64_t*>(base)[offset]);
   }
   return T(0);
 }
@@ -54,16 +60,21 @@ static inline T load_as(const void* base, DType dtype, std::int64_t offset) {
 template <typename T>
 static inline void store_from(void* base, DType dtype, std::int64_t offset, T value) {
   switch (dtype) {
-    case DType::kF32: static_cast<float*>(base)[offset] = static_cast<float>(value); return;
+    case DType::kF32:
+      static_cast<float*>(base)[offset] = static_cast<float>(value);
+      return;
     case DType::kBF16:
       static_cast<std::uint16_t*>(base)[offset] = f32_to_bf16(static_cast<float>(value));
       return;
     case DType::kF16:
       static_cast<std::uint16_t*>(base)[offset] = f32_to_f16(static_cast<float>(value));
       return;
-    case DType::kF64: static_cast<double*>(base)[offset] = static_cast<double>(value); return;
+    case DType::kF64:
+      static_cast<double*>(base)[offset] = static_cast<double>(value);
+      return;
     case DType::kI32:
-    case DType::kI64: return;  // never an output of a float op; validation rejects it
+    case DType::kI64:
+      return;  // never an output of a float op; validation rejects it
   }
 }
 

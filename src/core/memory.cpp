@@ -46,8 +46,12 @@ void deallocate(void* ptr) noexcept {
   std::free(raw);
 }
 
-MemoryStats memory_stats() { return {g_current.load(), g_peak.load()}; }
+MemoryStats memory_stats() {
+  return {g_current.load(), g_peak.load()};
+}
 
-void reset_peak_memory() { g_peak.store(g_current.load()); }
+void reset_peak_memory() {
+  g_peak.store(g_current.load());
+}
 
 }  // namespace kda

@@ -36,9 +36,7 @@ struct PaddingRun {
 struct StateAddressing {
   std::int64_t per_row = 1;
   std::int64_t stride_row = 0, stride_slot = 0, stride_hv = 0, stride_k = 0, stride_v = 0;
-  std::int64_t base(std::int64_t n) const {
-    return (n / per_row) * stride_row + (n % per_row) * stride_slot;
-  }
+  std::int64_t base(std::int64_t n) const { return (n / per_row) * stride_row + (n % per_row) * stride_slot; }
 };
 
 struct Problem {

@@ -6,32 +6,46 @@ namespace kda {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-    case DType::kF64: return "float64";
-    case DType::kI32: return "int32";
-    case DType::kI64: return "int64";
+    case DType::kF32:
+      return "float32";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kF64:
+      return "float64";
+    case DType::kI32:
+      return "int32";
+    case DType::kI64:
+      return "int64";
   }
   return "unknown";
 }
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kBF16: return 2;
-    case DType::kF16: return 2;
-    case DType::kF64: return 8;
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
+    case DType::kF32:
+      return 4;
+    case DType::kBF16:
+      return 2;
+    case DType::kF16:
+      return 2;
+    case DType::kF64:
+      return 8;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
   }
   return 0;
 }
 
 const char* path_name(Path path) {
   switch (path) {
-    case Path::kFused: return "fused";
-    case Path::kStaged: return "staged";
+    case Path::kFused:
+      return "fused";
+    case Path::kStaged:
+      return "staged";
   }
   return "unknown";
 }
@@ -76,6 +90,8 @@ TensorView TensorView::permuted(std::initializer_list<int> perm) const {
   return t;
 }
 
-const char* version() { return KDA_VERSION_STRING; }
+const char* version() {
+  return KDA_VERSION_STRING;
+}
 
 }  // namespace kda

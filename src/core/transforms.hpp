@@ -39,9 +39,7 @@ struct GateParams {
   DType bias_dtype = DType::kF32;
   std::int64_t bias_base = 0, bias_stride = 0;  // element (hv, d) at bias_base + d * bias_stride
 
-  T bias_at(std::int64_t d) const {
-    return bias ? load_as<T>(bias, bias_dtype, bias_base + d * bias_stride) : T(0);
-  }
+  T bias_at(std::int64_t d) const { return bias ? load_as<T>(bias, bias_dtype, bias_base + d * bias_stride) : T(0); }
 };
 
 template <typename T>
@@ -67,9 +65,12 @@ static inline GateParams<T> gate_params(const ForwardParams& prm, std::int64_t h
 template <typename T>
 static inline T activate_gate(const Problem& p, const GateParams<T>& gp, T raw, std::int64_t d) {
   switch (p.gate) {
-    case GateMode::kLogDecay: return raw;
-    case GateMode::kSoftplus: return -gp.a * softplus(raw + gp.bias_at(d));
-    case GateMode::kLowerBoundSigmoid: return T(p.lower_bound) * sigmoid(gp.a * (raw + gp.bias_at(d)));
+    case GateMode::kLogDecay:
+      return raw;
+    case GateMode::kSoftplus:
+      return -gp.a * softplus(raw + gp.bias_at(d));
+    case GateMode::kLowerBoundSigmoid:
+      return T(p.lower_bound) * sigmoid(gp.a * (raw + gp.bias_at(d)));
   }
   return raw;
 }
@@ -91,7 +92,8 @@ static inline void read_initial_state(const Problem& p, const ForwardParams& prm
   const std::int64_t base = a.base(slot) + hv * a.stride_hv;
   for (std::int64_t i = 0; i < p.K; ++i)
     for (std::int64_t j = 0; j < p.V; ++j)
-      S[i * p.V + j] = load_as<T>(prm.initial_state.data, prm.initial_state.dtype, base + i * a.stride_k + j * a.stride_v);
+      S[i * p.V + j] =
+          load_as<T>(prm.initial_state.data, prm.initial_state.dtype, base + i * a.stride_k + j * a.stride_v);
 }
 
 }  // namespace kda::detail

@@ -63,8 +63,7 @@ Status check_shape(const char* name, const TensorView& t, std::initializer_list<
   }
   want << "]";
   if (!match) {
-    return fail("argument '", name, "': expected shape ", dims_desc, " = ", want.str(), ", got ",
-                t.shape_str());
+    return fail("argument '", name, "': expected shape ", dims_desc, " = ", want.str(), ", got ", t.shape_str());
   }
   return {};
 }
@@ -74,16 +73,16 @@ Status check_writable(const char* name, const TensorView& t) {
   if (t.numel() == 0) return {};  // nothing to write (numpy gives empty arrays zero strides)
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] > 1 && t.strides[i] == 0) {
-      return fail("argument '", name, "': output has a zero (broadcast) stride on dim ", i,
-                  " of shape ", t.shape_str(), "; outputs need distinct elements");
+      return fail("argument '", name, "': output has a zero (broadcast) stride on dim ", i, " of shape ", t.shape_str(),
+                  "; outputs need distinct elements");
     }
   }
   return {};
 }
 
 // lead: the name of the first dim of a 4-D state ("B" fixed length, "N" cu_seqlens).
-Status check_state(const char* name, const TensorView& t, const Problem& p, std::int64_t per_row,
-                   bool segment_ids, const char* lead, bool kfirst, StateAddressing* addr) {
+Status check_state(const char* name, const TensorView& t, const Problem& p, std::int64_t per_row, bool segment_ids,
+                   const char* lead, bool kfirst, StateAddressing* addr) {
   const std::int64_t a = kfirst ? p.K : p.V;
   const std::int64_t b = kfirst ? p.V : p.K;
   std::string desc = segment_ids ? "[B, max_num_segments, HV, " : std::string("[") + lead + ", HV, ";
@@ -129,8 +128,8 @@ Status plan_cu_seqlens(const TensorView& cu, Problem* p) {
     }
   }
   if (load_index(cu, n) != p->T) {
-    return fail("argument 'cu_seqlens': expected the last value to equal the total tokens T = ", p->T,
-                ", got ", load_index(cu, n));
+    return fail("argument 'cu_seqlens': expected the last value to equal the total tokens T = ", p->T, ", got ",
+                load_index(cu, n));
   }
   p->num_states = n;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -146,10 +145,9 @@ Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Proble
     return fail("argument 'segment_ids': expected dtype int32, got ", dtype_name(ids.dtype));
   }
   const bool broadcast = ids.ndim == 1;
-  if (!((ids.ndim == 1 && ids.shape[0] == p->T) ||
-        (ids.ndim == 2 && ids.shape[0] == p->B && ids.shape[1] == p->T))) {
-    return fail("argument 'segment_ids': expected shape [T] = [", p->T, "] or [B, T] = [", p->B, ", ",
-                p->T, "], got ", ids.shape_str());
+  if (!((ids.ndim == 1 && ids.shape[0] == p->T) || (ids.ndim == 2 && ids.shape[0] == p->B && ids.shape[1] == p->T))) {
+    return fail("argument 'segment_ids': expected shape [T] = [", p->T, "] or [B, T] = [", p->B, ", ", p->T, "], got ",
+                ids.shape_str());
   }
   if (max_segments < 1) {
     return fail("argument 'max_num_segments': expected >= 1 with segment_ids, got ", max_segments);
@@ -165,8 +163,8 @@ Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Proble
     for (std::int64_t t = 0; t <= p->T; ++t) {
       const std::int64_t id = t < p->T ? data[row_off + t * tstride] : -1;
       if (t < p->T && (id < 0 || id > max_segments)) {
-        return fail("argument 'segment_ids': expected ids in [0, max_num_segments = ", max_segments,
-                    "], got ", id, " at row ", b, ", token ", t);
+        return fail("argument 'segment_ids': expected ids in [0, max_num_segments = ", max_segments, "], got ", id,
+                    " at row ", b, ", token ", t);
       }
       if (id == current) continue;
       if (current > 0) p->segments.push_back({b, run_start, t - run_start, b * max_segments + current - 1});
@@ -175,8 +173,10 @@ Status plan_segment_ids(const TensorView& ids, std::int64_t max_segments, Proble
       if (t == p->T) break;
       if (id > 0) {
         if (id != expected_next) {
-          return fail("argument 'segment_ids': expected contiguous runs numbered 1, 2, 3, ... in order (padding 0 "
-                      "anywhere); at row ", b, ", token ", t, " expected id ", expected_next, ", got ", id);
+          return fail(
+              "argument 'segment_ids': expected contiguous runs numbered 1, 2, 3, ... in order (padding 0 "
+              "anywhere); at row ",
+              b, ", token ", t, " expected id ", expected_next, ", got ", id);
         }
         ++expected_next;
       }
@@ -261,8 +261,7 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
   p.HV = prm.v.shape[2];
   p.V = prm.v.shape[3];
   if (p.H < 1 || p.K < 1 || p.HV < 1 || p.V < 1) {
-    return fail("arguments 'q'/'v': H, K, HV and V must be >= 1, got q ", prm.q.shape_str(), ", v ",
-                prm.v.shape_str());
+    return fail("arguments 'q'/'v': H, K, HV and V must be >= 1, got q ", prm.q.shape_str(), ", v ", prm.v.shape_str());
   }
   if (p.HV % p.H != 0) {
     return fail("argument 'v': expected value heads HV to be a multiple of H = ", p.H, ", got HV = ", p.HV);
@@ -316,8 +315,9 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
     } else {
       p.gate = GateMode::kSoftplus;
       if (!prm.A_log.defined()) {
-        return fail("argument 'A_log': required with use_gate_in_kernel and no lower_bound "
-                    "(g = -exp(A_log) * softplus(g + dt_bias)), but was not given");
+        return fail(
+            "argument 'A_log': required with use_gate_in_kernel and no lower_bound "
+            "(g = -exp(A_log) * softplus(g + dt_bias)), but was not given");
       }
     }
     if (prm.A_log.defined()) {
@@ -327,11 +327,11 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
     if (prm.dt_bias.defined()) {
       KDA_RETURN_IF_ERROR(check_present("dt_bias", prm.dt_bias));
       const TensorView& d = prm.dt_bias;
-      const bool ok = (d.ndim == 1 && d.shape[0] == p.HV * p.K) ||
-                      (d.ndim == 2 && d.shape[0] == p.HV && d.shape[1] == p.K);
+      const bool ok =
+          (d.ndim == 1 && d.shape[0] == p.HV * p.K) || (d.ndim == 2 && d.shape[0] == p.HV && d.shape[1] == p.K);
       if (!ok) {
-        return fail("argument 'dt_bias': expected shape [HV * K] = [", p.HV * p.K, "] or [HV, K] = [", p.HV,
-                    ", ", p.K, "], got ", d.shape_str());
+        return fail("argument 'dt_bias': expected shape [HV * K] = [", p.HV * p.K, "] or [HV, K] = [", p.HV, ", ", p.K,
+                    "], got ", d.shape_str());
       }
       KDA_RETURN_IF_ERROR(check_float("dt_bias", d, oracle));
     }
@@ -341,18 +341,21 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
                   opt.lower_bound, " with use_gate_in_kernel=false");
     }
     if (prm.A_log.defined()) {
-      return fail("argument 'A_log': only used with use_gate_in_kernel=true, but was given with "
-                  "use_gate_in_kernel=false");
+      return fail(
+          "argument 'A_log': only used with use_gate_in_kernel=true, but was given with "
+          "use_gate_in_kernel=false");
     }
     if (prm.dt_bias.defined()) {
-      return fail("argument 'dt_bias': only used with use_gate_in_kernel=true, but was given with "
-                  "use_gate_in_kernel=false");
+      return fail(
+          "argument 'dt_bias': only used with use_gate_in_kernel=true, but was given with "
+          "use_gate_in_kernel=false");
     }
   }
   p.beta_sigmoid = opt.use_beta_sigmoid_in_kernel;
   if (opt.allow_neg_eigval && !opt.use_beta_sigmoid_in_kernel) {
-    return fail("option 'allow_neg_eigval': requires use_beta_sigmoid_in_kernel=true "
-                "(beta = 2 * sigmoid(beta_raw)), got use_beta_sigmoid_in_kernel=false");
+    return fail(
+        "option 'allow_neg_eigval': requires use_beta_sigmoid_in_kernel=true "
+        "(beta = 2 * sigmoid(beta_raw)), got use_beta_sigmoid_in_kernel=false");
   }
   p.beta_scale = opt.allow_neg_eigval ? 2.0f : 1.0f;
 
@@ -380,7 +383,8 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
   if (prm.initial_state_indices.defined()) {
     KDA_RETURN_IF_ERROR(plan_initial_slots(prm, kfirst, has_ids, &p));
   } else if (prm.initial_state.defined()) {
-    KDA_RETURN_IF_ERROR(check_state("initial_state", prm.initial_state, p, per_row, has_ids, lead, kfirst, &p.init_addr));
+    KDA_RETURN_IF_ERROR(
+        check_state("initial_state", prm.initial_state, p, per_row, has_ids, lead, kfirst, &p.init_addr));
     // Any float dtype, fp64 included: states are read into fp32 (fp64 in the oracle).
     KDA_RETURN_IF_ERROR(check_float("initial_state", prm.initial_state, /*oracle=*/true));
   }
@@ -390,7 +394,8 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
     p.num_chunks += (p.segments[s].length + p.chunk - 1) / p.chunk;
   }
   if (prm.chunk_states.defined()) {
-    KDA_RETURN_IF_ERROR(check_shape("chunk_states", prm.chunk_states, {p.num_chunks, p.HV, kfirst ? p.K : p.V, kfirst ? p.V : p.K},
+    KDA_RETURN_IF_ERROR(check_shape("chunk_states", prm.chunk_states,
+                                    {p.num_chunks, p.HV, kfirst ? p.K : p.V, kfirst ? p.V : p.K},
                                     kfirst ? "[NC, HV, K, V]" : "[NC, HV, V, K]"));
     if (prm.chunk_states.dtype != DType::kF32 && !(oracle && prm.chunk_states.dtype == DType::kF64)) {
       return fail("argument 'chunk_states': expected dtype float32", oracle ? " (or float64 for the oracle)" : "",
@@ -445,10 +450,8 @@ Status plan_backward(const BackwardParams& prm, bool oracle, Problem* problem) {
     const char* desc;
   };
   const Grad grads[] = {
-      {"dq", prm.dq, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"},
-      {"dk", prm.dk, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"},
-      {"dv", prm.dv, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"},
-      {"dg", prm.dg, {p.B, p.T, p.HV, p.K}, "[B, T, HV, K]"},
+      {"dq", prm.dq, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"},   {"dk", prm.dk, {p.B, p.T, p.H, p.K}, "[B, T, H, K]"},
+      {"dv", prm.dv, {p.B, p.T, p.HV, p.V}, "[B, T, HV, V]"}, {"dg", prm.dg, {p.B, p.T, p.HV, p.K}, "[B, T, HV, K]"},
       {"dbeta", prm.dbeta, {p.B, p.T, p.HV}, "[B, T, HV]"},
   };
   for (const Grad& g : grads) {
@@ -478,7 +481,8 @@ Status plan_backward(const BackwardParams& prm, bool oracle, Problem* problem) {
     KDA_RETURN_IF_ERROR(check_present("ddt_bias", prm.ddt_bias));
     const TensorView& d = prm.ddt_bias;
     if (d.ndim != f.dt_bias.ndim || d.numel() != p.HV * p.K || (d.ndim == 2 && d.shape[1] != p.K)) {
-      return fail("argument 'ddt_bias': expected the shape of dt_bias ", f.dt_bias.shape_str(), ", got ", d.shape_str());
+      return fail("argument 'ddt_bias': expected the shape of dt_bias ", f.dt_bias.shape_str(), ", got ",
+                  d.shape_str());
     }
     KDA_RETURN_IF_ERROR(check_f32("ddt_bias", d));
   }
@@ -503,7 +507,8 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
     return fail("argument 'state_pool': expected shape [slots, HV, ", kfirst ? "K, V" : "V, K", "] = [slots, ", p.HV,
                 ", ", a, ", ", b, "], got ", pool.shape_str());
   }
-  if (pool.dtype != DType::kF32) return fail("argument 'state_pool': expected dtype float32, got ", dtype_name(pool.dtype));
+  if (pool.dtype != DType::kF32)
+    return fail("argument 'state_pool': expected dtype float32, got ", dtype_name(pool.dtype));
   KDA_RETURN_IF_ERROR(check_writable("state_pool", pool));
   const std::int64_t slots = pool.shape[0];
   const TensorView& idx = prm.slot_indices;
@@ -524,7 +529,8 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
   const TensorView& acc = prm.num_accepted_tokens;
   if (acc.defined()) {
     KDA_RETURN_IF_ERROR(check_present("num_accepted_tokens", acc));
-    if (!per_token) return fail("argument 'num_accepted_tokens': needs slot_indices of shape [N, T], got ", idx.shape_str());
+    if (!per_token)
+      return fail("argument 'num_accepted_tokens': needs slot_indices of shape [N, T], got ", idx.shape_str());
     if (acc.dtype != DType::kI32 && acc.dtype != DType::kI64) {
       return fail("argument 'num_accepted_tokens': expected dtype int32 or int64, got ", dtype_name(acc.dtype));
     }
@@ -556,8 +562,10 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
     p.decode_read[n] = read;
     for (std::int64_t t = 0; t < p.T; ++t) {
       std::int64_t s = -1;
-      if (per_token) s = index_at(n, t);
-      else if (t == p.T - 1) s = read;
+      if (per_token)
+        s = index_at(n, t);
+      else if (t == p.T - 1)
+        s = read;
       if (s < 0) continue;
       if (writer[s] >= 0 && writer[s] != n) {
         return fail("argument 'slot_indices': slot ", s, " is written by rows ", writer[s], " and ", n,

@@ -23,9 +23,9 @@ struct CpuPlan {
   std::int64_t total_chunks = 0;
 };
 
-#define KDA_DECLARE_CPU_TARGET(ns)                                                          \
-  namespace ns {                                                                            \
-  Status forward(const detail::Problem& problem, const ForwardParams& params, const CpuPlan& plan); \
+#define KDA_DECLARE_CPU_TARGET(ns)                                                                    \
+  namespace ns {                                                                                      \
+  Status forward(const detail::Problem& problem, const ForwardParams& params, const CpuPlan& plan);   \
   Status backward(const detail::Problem& problem, const BackwardParams& params, const CpuPlan& plan); \
   Status decode(const detail::Problem& problem, const DecodeParams& params);                          \
   }

@@ -30,8 +30,8 @@ CpuTarget detect_target() {
   if (forced != nullptr && std::strcmp(forced, "generic") == 0) return CpuTarget::kGeneric;
 #if defined(KDA_HAVE_AVX512_TARGET)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
     return CpuTarget::kAvx512;
   }
 #endif
@@ -45,7 +45,9 @@ CpuTarget target() {
 
 }  // namespace
 
-const char* cpu_target() { return target() == CpuTarget::kAvx512 ? "avx512" : "generic"; }
+const char* cpu_target() {
+  return target() == CpuTarget::kAvx512 ? "avx512" : "generic";
+}
 
 // The work order and staged-buffer offsets of a validated problem.
 struct PlanStorage {

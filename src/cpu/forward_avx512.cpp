@@ -3,4 +3,5 @@
 #define KDA_TARGET avx512
 #define KDA_BF16_DOT 1  // the bf16 product path, used where the CPU has AVX512_BF16
 #include <immintrin.h>
+
 #include "cpu/forward_kernels.inc"

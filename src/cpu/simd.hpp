@@ -27,7 +27,9 @@ static inline vf vload(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+static inline void vstore(float* p, vf v) {
+  std::memcpy(p, &v, sizeof v);
+}
 // A store of a whole 64-byte line that bypasses the caches (no read for ownership) where the ISA
 // has one and p is 64-byte aligned (else a plain store). For states written to slots this call
 // does not read again; fence_streams() before the writer's results are relied on.
@@ -44,7 +46,9 @@ static inline void fence_streams() {
 }
 // Not `vf{} + x`: 0 + x is not an identity for x = -0, so the compiler would emit a scalar add
 // (on an FMA port) before every broadcast.
-static inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf vsplat(float x) {
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 
 // The first n (<= 16) lanes from p, the rest zero; and the matching partial store. For rows
 // whose length is not a multiple of 16 and that have no padding to read into.
@@ -77,8 +81,9 @@ static inline void vsum8(const vf* v, float* out) {
   static_assert(kLanes == 16, "vsum8's shuffles are written for 16 lanes");
   vf x[4], y[2];
   for (int i = 0; i < 4; ++i)  // lanes 0-7: v[2i]'s l + (l + 8), lanes 8-15: v[2i + 1]'s
-    x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    x[i] =
+        __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)  // 4 lanes per vector: + 4
     y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -99,8 +104,8 @@ static inline vf vexp(vf x) {
 #ifdef __AVX512F__
   // n = nearest integer to x log2 e in one instruction (the portable floor(. + 0.5) below
   // differs only at ties, where either n keeps r in the polynomial's range)
-  const vf fl = reinterpret_cast<vf>(
-      _mm512_maskz_roundscale_ps(0xffff, reinterpret_cast<__m512>(xc * log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const vf fl = reinterpret_cast<vf>(_mm512_maskz_roundscale_ps(0xffff, reinterpret_cast<__m512>(xc * log2e),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
   vf fx = xc * log2e + vsplat(0.5f);
   vi ix = __builtin_convertvector(fx, vi);
@@ -117,7 +122,8 @@ static inline vf vexp(vf x) {
   y = y * r + vsplat(5.0000001201e-1f);
   y = y * r * r + r + vsplat(1.0f);
 #ifdef __AVX512F__
-  vf res = reinterpret_cast<vf>(_mm512_maskz_scalef_ps(0xffff, reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(fl)));  // y 2^n
+  vf res = reinterpret_cast<vf>(
+      _mm512_maskz_scalef_ps(0xffff, reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(fl)));  // y 2^n
 #else
   vi bits = (ix + 127) << 23;
   vf pow2;
@@ -171,7 +177,9 @@ static inline vf vsoftplus(vf x) {
   return x != x ? x : res;
 }
 
-static inline vf vsigmoid(vf x) { return vsplat(1.0f) / (vsplat(1.0f) + vexp(-x)); }
+static inline vf vsigmoid(vf x) {
+  return vsplat(1.0f) / (vsplat(1.0f) + vexp(-x));
+}
 
 // x <- x * rsqrt(sum(x^2) + 1e-6) (SPEC.md 1.3) with 16 partial sums: a scalar reduction would
 // be one dependent add per element. Returns the factor (the backward's l2norm adjoint needs it).
@@ -302,12 +310,24 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
     const float* cs = c_scale ? c_scale + i : nullptr;
     const float* si = c_src ? c_src + i * ldc : nullptr;
     switch (mr) {
-      case 6: gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
-      case 5: gemm_rows<5, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
-      case 4: gemm_rows<4, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
-      case 3: gemm_rows<3, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
-      case 2: gemm_rows<2, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
-      default: gemm_rows<1, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si); break;
+      case 6:
+        gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+        break;
+      case 5:
+        gemm_rows<5, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+        break;
+      case 4:
+        gemm_rows<4, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+        break;
+      case 3:
+        gemm_rows<3, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+        break;
+      case 2:
+        gemm_rows<2, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+        break;
+      default:
+        gemm_rows<1, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+        break;
     }
   }
 }
@@ -325,7 +345,8 @@ static inline void pack_pairs_bf16(const float* src, std::int64_t rows, std::int
     const float* lo = src + 2 * p * lds;
     const bool has_hi = 2 * p + 1 < rows;
     for (std::int64_t j = 0; j < n; j += kLanes) {
-      const __mmask16 m = n - j >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 m =
+          n - j >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
       const __m512 l = _mm512_maskz_loadu_ps(m, lo + j);
       const __m512 h = has_hi ? _mm512_maskz_loadu_ps(m, lo + lds + j) : _mm512_setzero_ps();
       const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(h, l));  // [l0..l15 | h0..h15]
@@ -343,14 +364,14 @@ static inline void pack_rows_bf16(const float* src, std::int64_t rows, std::int6
     std::uint32_t* d = dst + i * ldd;
     std::int64_t c = 0;
     for (; c + 2 * kLanes <= cols; c += 2 * kLanes)
-      _mm512_storeu_si512(d + c / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + kLanes),
-                                                                                   _mm512_loadu_ps(s + c))));
+      _mm512_storeu_si512(d + c / 2, reinterpret_cast<__m512i>(
+                                         _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + kLanes), _mm512_loadu_ps(s + c))));
     if (c < cols) {
       float tail[2 * kLanes] = {};
       for (std::int64_t x = c; x < cols; ++x) tail[x - c] = s[x];
       alignas(64) std::uint32_t out[kLanes];
-      _mm512_store_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tail + kLanes),
-                                                                            _mm512_loadu_ps(tail))));
+      _mm512_store_si512(
+          out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tail + kLanes), _mm512_loadu_ps(tail))));
       for (std::int64_t x = 0; x < (cols - c + 1) / 2; ++x) d[c / 2 + x] = out[x];
     }
   }

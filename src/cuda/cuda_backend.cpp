@@ -1,6 +1,8 @@
 // Host side of the CUDA backend (src/cuda/cuda_backend.hpp): index tensors staged to the host,
 // validation with the CPU path's rules, the residency checks, the kernel choice, the device
 // tables and the launches (docs/CUDA.md).
+#include "cuda/cuda_backend.hpp"
+
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -10,7 +12,6 @@
 #include <vector>
 
 #include "core/problem.hpp"
-#include "cuda/cuda_backend.hpp"
 #include "cuda/decode_block.cuh"   // dec_layout
 #include "cuda/forward_block.cuh"  // fwd_layout
 #include "cuda/launch.hpp"
@@ -158,7 +159,8 @@ class DeviceTable {
     }
     if (bytes == 0) return {};
     // From pageable memory: returns once the data is staged, so `host` may go away after it.
-    const cudaError_t e = cudaMemcpyAsync(ptr_, host.data(), bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_));
+    const cudaError_t e =
+        cudaMemcpyAsync(ptr_, host.data(), bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_));
     if (e != cudaSuccess) return cuda_failure(std::string("uploading the ") + what, e);
     return {};
   }
@@ -200,7 +202,7 @@ Status finish(void* stream) {
 }
 
 constexpr ForwardLauncher kForwardLaunchers[] = {
-    launch_forward_k64_f32,  launch_forward_k64_bf16,  launch_forward_k64_f16, launch_forward_k128_f32,
+    launch_forward_k64_f32,   launch_forward_k64_bf16, launch_forward_k64_f16, launch_forward_k128_f32,
     launch_forward_k128_bf16, launch_forward_k128_f16, launch_forward_generic,
 };
 static_assert(sizeof(kForwardLaunchers) / sizeof(kForwardLaunchers[0]) == static_cast<int>(FwdKernel::kCount));
@@ -218,19 +220,22 @@ const char kBackwardUnsupported[] =
 
 }  // namespace
 
-bool is_device_pointer(const void* p) { return pointer_info(p).device; }
+bool is_device_pointer(const void* p) {
+  return pointer_info(p).device;
+}
 
 bool uses_device(const ForwardParams& f) {
-  for (const TensorView* t : {&f.q, &f.k, &f.v, &f.g, &f.beta, &f.A_log, &f.dt_bias, &f.cu_seqlens, &f.segment_ids,
-                              &f.initial_state, &f.initial_state_indices, &f.o, &f.final_state, &f.chunk_states,
-                              &f.v_new})
+  for (const TensorView* t :
+       {&f.q, &f.k, &f.v, &f.g, &f.beta, &f.A_log, &f.dt_bias, &f.cu_seqlens, &f.segment_ids, &f.initial_state,
+        &f.initial_state_indices, &f.o, &f.final_state, &f.chunk_states, &f.v_new})
     if (t->defined() && is_device_pointer(t->data)) return true;
   return false;
 }
 
 bool uses_device(const BackwardParams& b) {
   if (uses_device(b.forward)) return true;
-  for (const TensorView* t : {&b.d_o, &b.d_final_state, &b.dq, &b.dk, &b.dv, &b.dg, &b.dbeta, &b.dh0, &b.dA_log, &b.ddt_bias})
+  for (const TensorView* t :
+       {&b.d_o, &b.d_final_state, &b.dq, &b.dk, &b.dv, &b.dg, &b.dbeta, &b.dh0, &b.dA_log, &b.ddt_bias})
     if (t->defined() && is_device_pointer(t->data)) return true;
   return false;
 }
@@ -245,11 +250,14 @@ bool uses_device(const DecodeParams& d) {
 std::optional<std::string> why_unsupported_cuda(const ForwardParams& params) {
   // v_new is the CPU backward's residual; the CUDA forward does not form it as rows yet.
   if (params.v_new.defined())
-    return std::string("kda (CUDA): argument 'v_new' is not supported by the CUDA forward yet (the CPU backend writes it)");
+    return std::string(
+        "kda (CUDA): argument 'v_new' is not supported by the CUDA forward yet (the CPU backend writes it)");
   return why_unsupported_sizes(params.q.shape[3], params.v.shape[3]);
 }
 
-std::optional<std::string> why_unsupported_cuda(const BackwardParams&) { return std::string(kBackwardUnsupported); }
+std::optional<std::string> why_unsupported_cuda(const BackwardParams&) {
+  return std::string(kBackwardUnsupported);
+}
 
 std::optional<std::string> why_unsupported_cuda(const DecodeParams& params) {
   return why_unsupported_sizes(params.q.shape[3], params.v.shape[3]);
@@ -310,9 +318,15 @@ Status decode(const DecodeParams& prm) {
   detail::Problem p;
   KDA_RETURN_IF_ERROR(detail::plan_decode(hp, &p));
   if (auto why = why_unsupported_cuda(prm)) return Status::error(*why);
-  const Arg args[] = {{"q", &prm.q},         {"k", &prm.k},       {"v", &prm.v},
-                      {"g", &prm.g},         {"beta", &prm.beta}, {"A_log", &prm.A_log},
-                      {"dt_bias", &prm.dt_bias}, {"state_pool", &prm.state_pool}, {"o", &prm.o}};
+  const Arg args[] = {{"q", &prm.q},
+                      {"k", &prm.k},
+                      {"v", &prm.v},
+                      {"g", &prm.g},
+                      {"beta", &prm.beta},
+                      {"A_log", &prm.A_log},
+                      {"dt_bias", &prm.dt_bias},
+                      {"state_pool", &prm.state_pool},
+                      {"o", &prm.o}};
   int device = -1;
   KDA_RETURN_IF_ERROR(require_device(args, &device));
   DeviceGuard guard(device);
@@ -344,7 +358,9 @@ Status validate_backward(const BackwardParams& prm) {
   return {};
 }
 
-Status chunk_backward(const BackwardParams& prm) { return cuda::validate_backward(prm); }
+Status chunk_backward(const BackwardParams& prm) {
+  return cuda::validate_backward(prm);
+}
 
 Status forward_chunk_count(const ForwardParams& prm, std::int64_t* num_chunks) {
   ForwardParams hp = prm;

@@ -36,7 +36,7 @@ std::optional<std::string> why_unsupported_cuda(const DecodeParams& params);
 
 Status chunk_forward(const ForwardParams& params);
 Status decode(const DecodeParams& params);
-Status chunk_backward(const BackwardParams& params);    // not supported yet: says so
+Status chunk_backward(const BackwardParams& params);     // not supported yet: says so
 Status validate_backward(const BackwardParams& params);  // validation, then the same answer
 Status forward_chunk_count(const ForwardParams& params, std::int64_t* num_chunks);
 

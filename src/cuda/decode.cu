@@ -19,10 +19,11 @@ __global__ void __launch_bounds__(kThreads) zero_padding_kernel(const PadArgs a)
 }
 
 int launch_decode(const DecArgs& args, std::size_t smem_bytes, void* stream) {
-  cudaError_t e = cudaFuncSetAttribute(&decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem_bytes));
+  cudaError_t e =
+      cudaFuncSetAttribute(&decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
   if (e != cudaSuccess) return static_cast<int>(e);
-  decode_kernel<<<static_cast<unsigned>(args.num_items), kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(args);
+  decode_kernel<<<static_cast<unsigned>(args.num_items), kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(
+      args);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -13,9 +13,9 @@
 
 namespace kda::cuda {
 
-constexpr int kDecVT = 64;                      // V tile of a decode block
-constexpr int kDecParts = kThreads / kDecVT;    // threads per column (K split)
-constexpr int kDecLanes = 32;                   // partial sums of the l2 norms
+constexpr int kDecVT = 64;                    // V tile of a decode block
+constexpr int kDecParts = kThreads / kDecVT;  // threads per column (K split)
+constexpr int kDecLanes = 32;                 // partial sums of the l2 norms
 
 struct DecLayout {
   i64 S = 0, qs = 0, kn = 0, eg = 0, bias = 0, vv = 0, part_u = 0, part_o = 0, red = 0, misc = 0, total = 0;
@@ -101,11 +101,13 @@ KDA_BLOCK_FN inline void decode_block(const DecArgs& a, unsigned char* smem, i64
         eg[d] = kexp(activate_gate(tr, graw, bias[d], gate_a));
       }
       for (int v = tid; v < kDecVT; v += kThreads) {
-        vv[v] = v < vt ? load_f32<kAnyDtype>(a.v.data, a.v.dtype, n * a.v.s[0] + t * a.v.s[1] + hv * a.v.s[2] + (v0 + v) * a.v.s[3])
+        vv[v] = v < vt ? load_f32<kAnyDtype>(a.v.data, a.v.dtype,
+                                             n * a.v.s[0] + t * a.v.s[1] + hv * a.v.s[2] + (v0 + v) * a.v.s[3])
                        : 0.0f;
       }
       if (tid == 0) {
-        beta[0] = activate_beta(tr, load_f32<kAnyDtype>(a.beta.data, a.beta.dtype, n * a.beta.s[0] + t * a.beta.s[1] + hv * a.beta.s[2]));
+        beta[0] = activate_beta(
+            tr, load_f32<kAnyDtype>(a.beta.data, a.beta.dtype, n * a.beta.s[0] + t * a.beta.s[1] + hv * a.beta.s[2]));
       }
     }
     KDA_SYNC();

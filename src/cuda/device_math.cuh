@@ -65,7 +65,9 @@ KDA_DI std::uint32_t f32_as_u32(float f) {
 #endif
 }
 
-KDA_DI float bf16_bits_to_f32(std::uint16_t b) { return u32_as_f32(static_cast<std::uint32_t>(b) << 16); }
+KDA_DI float bf16_bits_to_f32(std::uint16_t b) {
+  return u32_as_f32(static_cast<std::uint32_t>(b) << 16);
+}
 
 // Round to nearest even; NaN stays NaN (as src/core/dtype.hpp).
 KDA_DI std::uint16_t f32_to_bf16_bits(float f) {
@@ -135,10 +137,14 @@ KDA_DI float load_f32(const void* p, int dt, i64 off) {
     return static_cast<float>(static_cast<const double*>(p)[off]);
   } else {
     switch (dt) {
-      case kF32: return static_cast<const float*>(p)[off];
-      case kBF16: return bf16_bits_to_f32(static_cast<const std::uint16_t*>(p)[off]);
-      case kF16: return f16_bits_to_f32(static_cast<const std::uint16_t*>(p)[off]);
-      default: return static_cast<float>(static_cast<const double*>(p)[off]);
+      case kF32:
+        return static_cast<const float*>(p)[off];
+      case kBF16:
+        return bf16_bits_to_f32(static_cast<const std::uint16_t*>(p)[off]);
+      case kF16:
+        return f16_bits_to_f32(static_cast<const std::uint16_t*>(p)[off]);
+      default:
+        return static_cast<float>(static_cast<const double*>(p)[off]);
     }
   }
 }
@@ -155,19 +161,35 @@ KDA_DI void store_f32(void* p, int dt, i64 off, float x) {
     static_cast<double*>(p)[off] = static_cast<double>(x);
   } else {
     switch (dt) {
-      case kF32: static_cast<float*>(p)[off] = x; return;
-      case kBF16: static_cast<std::uint16_t*>(p)[off] = f32_to_bf16_bits(x); return;
-      case kF16: static_cast<std::uint16_t*>(p)[off] = f32_to_f16_bits(x); return;
-      default: static_cast<double*>(p)[off] = static_cast<double>(x); return;
+      case kF32:
+        static_cast<float*>(p)[off] = x;
+        return;
+      case kBF16:
+        static_cast<std::uint16_t*>(p)[off] = f32_to_bf16_bits(x);
+        return;
+      case kF16:
+        static_cast<std::uint16_t*>(p)[off] = f32_to_f16_bits(x);
+        return;
+      default:
+        static_cast<double*>(p)[off] = static_cast<double>(x);
+        return;
     }
   }
 }
 
 // SPEC.md 1.3, in fp32 as the CPU kernels compute them (src/core/transforms.hpp).
-KDA_DI float softplus_f32(float x) { return (x > 0.0f ? x : 0.0f) + klog1p(kexp(-(x < 0.0f ? -x : x))); }
-KDA_DI float sigmoid_f32(float x) { return 1.0f / (1.0f + kexp(-x)); }
+KDA_DI float softplus_f32(float x) {
+  return (x > 0.0f ? x : 0.0f) + klog1p(kexp(-(x < 0.0f ? -x : x)));
+}
+KDA_DI float sigmoid_f32(float x) {
+  return 1.0f / (1.0f + kexp(-x));
+}
 
-KDA_HDI int imin(int a, int b) { return a < b ? a : b; }
-KDA_HDI i64 round_up64(i64 x, i64 m) { return (x + m - 1) / m * m; }
+KDA_HDI int imin(int a, int b) {
+  return a < b ? a : b;
+}
+KDA_HDI i64 round_up64(i64 x, i64 m) {
+  return (x + m - 1) / m * m;
+}
 
 }  // namespace kda::cuda

@@ -27,7 +27,9 @@ std::atomic<std::int64_t> g_peak{0};
 
 }  // namespace
 
-bool cuda_built() { return true; }
+bool cuda_built() {
+  return true;
+}
 
 int cuda_device_count(std::string* why) {
   int n = 0;
@@ -81,8 +83,12 @@ void cuda_deallocate(void* ptr, void* stream) noexcept {
   if (e != cudaSuccess) cudaGetLastError();
 }
 
-MemoryStats cuda_memory_stats() { return {g_current.load(), g_peak.load()}; }
+MemoryStats cuda_memory_stats() {
+  return {g_current.load(), g_peak.load()};
+}
 
-void cuda_reset_peak_memory() { g_peak.store(g_current.load()); }
+void cuda_reset_peak_memory() {
+  g_peak.store(g_current.load());
+}
 
 }  // namespace kda

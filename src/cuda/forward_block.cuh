@@ -31,9 +31,9 @@
 
 namespace kda::cuda {
 
-constexpr int kSub = 16;                 // rows per intra-chunk sub-block
+constexpr int kSub = 16;  // rows per intra-chunk sub-block
 constexpr float kMaxColumnExponent = 60.0f;
-constexpr int kTcLd = kSub + 1;          // row stride of the transposed column block (banks)
+constexpr int kTcLd = kSub + 1;  // row stride of the transposed column block (banks)
 
 // Shared-memory layout of one forward block, in bytes from the start of dynamic shared memory.
 // Host (launch size) and device (carving) compute it from the same runtime (C, K, VT).
@@ -53,12 +53,12 @@ KDA_HDI FwdLayout fwd_layout(int C, int K, int VT) {
     off += round_up64(bytes, 16);
     return at;
   };
-  L.G = take(8 * static_cast<i64>(C) * K);          // (C, K) fp64
-  L.qn = take(4 * static_cast<i64>(C) * L.ldk);     // (C, K) q, then scale q e^G
-  L.kn = take(4 * static_cast<i64>(C) * L.ldk);     // (C, K) k, then k e^(G_last - G)
-  L.aqk = take(4 * static_cast<i64>(C) * C);        // (C, C) lower triangle
-  L.pkk = take(4 * static_cast<i64>(C) * C);        // (C, C) strict lower triangle
-  L.S = take(4 * static_cast<i64>(K) * VT);         // (K, VT) the running state tile
+  L.G = take(8 * static_cast<i64>(C) * K);       // (C, K) fp64
+  L.qn = take(4 * static_cast<i64>(C) * L.ldk);  // (C, K) q, then scale q e^G
+  L.kn = take(4 * static_cast<i64>(C) * L.ldk);  // (C, K) k, then k e^(G_last - G)
+  L.aqk = take(4 * static_cast<i64>(C) * C);     // (C, C) lower triangle
+  L.pkk = take(4 * static_cast<i64>(C) * C);     // (C, C) strict lower triangle
+  L.S = take(4 * static_cast<i64>(K) * VT);      // (K, VT) the running state tile
   const i64 rq_bytes = round_up64(4 * static_cast<i64>(kSub) * K, 16);
   const i64 scratch = 2 * rq_bytes + 4 * static_cast<i64>(K) * kTcLd;
   const i64 xbytes = 4 * static_cast<i64>(C) * L.ldx;
@@ -67,9 +67,9 @@ KDA_HDI FwdLayout fwd_layout(int C, int K, int VT) {
   L.rk = L.X + rq_bytes;                            // (16, K)  k e^(G - R)
   L.tc = L.X + 2 * rq_bytes;                        // (K, 17)  k_j e^(R - G_j), transposed
   L.beta = take(4 * static_cast<i64>(C));
-  L.glast = take(4 * static_cast<i64>(K));          // e^G_last
-  L.bias = take(4 * static_cast<i64>(K));           // dt_bias row of the value head
-  L.flag = take(16);                                // "some column factor was cut" flag
+  L.glast = take(4 * static_cast<i64>(K));  // e^G_last
+  L.bias = take(4 * static_cast<i64>(K));   // dt_bias row of the value head
+  L.flag = take(16);                        // "some column factor was cut" flag
   L.total = off;
   return L;
 }
@@ -79,9 +79,15 @@ KDA_HDI FwdLayout fwd_layout(int C, int K, int VT) {
 KDA_DI float activate_gate(const DTransforms& tr, float raw, float bias, float a) {
   float g;
   switch (tr.gate) {
-    case 0: g = raw; break;
-    case 1: g = -a * softplus_f32(raw + bias); break;
-    default: g = tr.lower_bound * sigmoid_f32(a * (raw + bias)); break;
+    case 0:
+      g = raw;
+      break;
+    case 1:
+      g = -a * softplus_f32(raw + bias);
+      break;
+    default:
+      g = tr.lower_bound * sigmoid_f32(a * (raw + bias));
+      break;
   }
   return g < -1000.0f ? -1000.0f : g;
 }
@@ -131,9 +137,9 @@ template <int KMAX, int VT, int CMAX, int DT>
 struct FusedForward {
   static_assert(kThreads % VT == 0, "V tile must divide the block");
   static_assert(CMAX % kSub == 0 && CMAX <= 64, "chunk must be a multiple of 16, at most 64");
-  static constexpr int NG = kThreads / VT;           // row groups of the (rows, VT) products
-  static constexpr int RPT = (CMAX + NG - 1) / NG;   // chunk rows per thread
-  static constexpr int DPT = (KMAX + NG - 1) / NG;   // state rows per thread
+  static constexpr int NG = kThreads / VT;          // row groups of the (rows, VT) products
+  static constexpr int RPT = (CMAX + NG - 1) / NG;  // chunk rows per thread
+  static constexpr int DPT = (KMAX + NG - 1) / NG;  // state rows per thread
 
   KDA_BLOCK_FN static void run(const FwdArgs& a, unsigned char* smem, i64 item) {
     const i64 per_seg = static_cast<i64>(a.HV) * a.ntiles;
@@ -169,9 +175,9 @@ struct FusedForward {
     // The dt_bias row of this value head and the initial state tile.
     KDA_PHASE(tid) {
       for (int d = tid; d < K; d += kThreads) {
-        bias[d] = tr.dt_bias.data
-                      ? load_f32<kAnyDtype>(tr.dt_bias.data, tr.dt_bias.dtype, hv * tr.dt_bias.s[0] + d * tr.dt_bias.s[1])
-                      : 0.0f;
+        bias[d] = tr.dt_bias.data ? load_f32<kAnyDtype>(tr.dt_bias.data, tr.dt_bias.dtype,
+                                                        hv * tr.dt_bias.s[0] + d * tr.dt_bias.s[1])
+                                  : 0.0f;
       }
       state_tile_in<VT>(a.init, seg.init_slot, hv, v0, vt, K, S, tid);
     }
@@ -209,7 +215,8 @@ struct FusedForward {
           float bt = 0.0f;
           if (i < n) {
             const i64 t = tok0 + i;
-            bt = activate_beta(tr, load_f32<kAnyDtype>(a.beta.data, a.beta.dtype, b * a.beta.s[0] + t * a.beta.s[1] + hv * a.beta.s[2]));
+            bt = activate_beta(tr, load_f32<kAnyDtype>(a.beta.data, a.beta.dtype,
+                                                       b * a.beta.s[0] + t * a.beta.s[1] + hv * a.beta.s[2]));
           }
           beta[i] = bt;
         }
@@ -331,7 +338,8 @@ struct FusedForward {
             float x = 0.0f;
             if (i < n && v < vt) {
               const i64 t = tok0 + i;
-              x = beta[i] * load_f32<DT>(a.v.data, a.v.dtype, b * a.v.s[0] + t * a.v.s[1] + hv * a.v.s[2] + (v0 + v) * a.v.s[3]);
+              x = beta[i] *
+                  load_f32<DT>(a.v.data, a.v.dtype, b * a.v.s[0] + t * a.v.s[1] + hv * a.v.s[2] + (v0 + v) * a.v.s[3]);
             }
             X[i * ldx + v] = x;
           }
@@ -355,20 +363,20 @@ struct FusedForward {
       KDA_PHASE(tid) {
         const int v = tid % VT, rg = tid / VT;
         float acc[RPT];
-KDA_UNROLL
+        KDA_UNROLL
         for (int r = 0; r < RPT; ++r) {
           const int i = rg + NG * r;
           acc[r] = i < np ? X[i * ldx + v] : 0.0f;
         }
         for (int d = 0; d < K; ++d) {
           const float s = S[d * VT + v];
-KDA_UNROLL
+          KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < np) acc[r] -= X[i * ldx + VT + d] * s;
           }
         }
-KDA_UNROLL
+        KDA_UNROLL
         for (int r = 0; r < RPT; ++r) {
           const int i = rg + NG * r;
           if (i < np) X[i * ldx + v] = acc[r];
@@ -380,11 +388,11 @@ KDA_UNROLL
       KDA_PHASE(tid) {
         const int v = tid % VT, rg = tid / VT;
         float acc[RPT];
-KDA_UNROLL
+        KDA_UNROLL
         for (int r = 0; r < RPT; ++r) acc[r] = 0.0f;
         for (int d = 0; d < K; ++d) {
           const float s = S[d * VT + v];
-KDA_UNROLL
+          KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < n) acc[r] += qn[i * ldk + d] * s;
@@ -392,14 +400,14 @@ KDA_UNROLL
         }
         for (int j = 0; j < n; ++j) {
           const float vn = X[j * ldx + v];
-KDA_UNROLL
+          KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < n && j <= i) acc[r] += aqk[i * C + j] * vn;
           }
         }
         if (v < vt) {
-KDA_UNROLL
+          KDA_UNROLL
           for (int r = 0; r < RPT; ++r) {
             const int i = rg + NG * r;
             if (i < n) {
@@ -416,20 +424,20 @@ KDA_UNROLL
       KDA_PHASE(tid) {
         const int v = tid % VT, dg = tid / VT;
         float acc[DPT];
-KDA_UNROLL
+        KDA_UNROLL
         for (int r = 0; r < DPT; ++r) {
           const int d = dg + NG * r;
           acc[r] = d < K ? glast[d] * S[d * VT + v] : 0.0f;
         }
         for (int i = 0; i < np; ++i) {
           const float vn = X[i * ldx + v];
-KDA_UNROLL
+          KDA_UNROLL
           for (int r = 0; r < DPT; ++r) {
             const int d = dg + NG * r;
             if (d < K) acc[r] += kn[i * ldk + d] * vn;
           }
         }
-KDA_UNROLL
+        KDA_UNROLL
         for (int r = 0; r < DPT; ++r) {
           const int d = dg + NG * r;
           if (d < K) S[d * VT + v] = acc[r];
@@ -439,7 +447,9 @@ KDA_UNROLL
     }
 
     if (a.fin.data != nullptr) {
-      KDA_PHASE(tid) { state_tile_out<VT>(a.fin, seg.state, hv, v0, vt, K, S, tid); }
+      KDA_PHASE(tid) {
+        state_tile_out<VT>(a.fin, seg.state, hv, v0, vt, K, S, tid);
+      }
       KDA_SYNC();
     }
   }

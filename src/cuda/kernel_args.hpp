@@ -41,8 +41,8 @@ struct DTransforms {
   int l2norm = 0;
   int beta_sigmoid = 0;
   float scale = 1.0f, lower_bound = 0.0f, beta_scale = 1.0f;
-  DTensor A_log;                  // [HV], s[0]; data null: a = 1
-  DTensor dt_bias;                // s[0]: stride per value head, s[1]: per channel; data null: none
+  DTensor A_log;    // [HV], s[0]; data null: a = 1
+  DTensor dt_bias;  // s[0]: stride per value head, s[1]: per channel; data null: none
 };
 
 // The fused forward: one block per work item (segment, value head, V tile); segments are
@@ -51,13 +51,13 @@ struct FwdArgs {
   DTensor q, k, v, g, beta;  // [B, T, H|HV, K|V], beta [B, T, HV]
   DTensor o;                 // [B, T, HV, V], written
   DTransforms tr;
-  DState init, fin, cs;      // initial state (any float dtype), final and chunk states (fp32)
+  DState init, fin, cs;  // initial state (any float dtype), final and chunk states (fp32)
   const DSeg* segs = nullptr;
   std::int64_t num_items = 0;  // num segments * HV * ntiles
   int K = 0, V = 0, HV = 0, group = 1;
-  int C = 64;          // chunk length inside the kernel (<= the kernel's CMAX)
-  int cs_every = 1;    // option chunk / C: a chunk_states entry every cs_every kernel chunks
-  int ntiles = 1;      // V tiles per value head
+  int C = 64;        // chunk length inside the kernel (<= the kernel's CMAX)
+  int cs_every = 1;  // option chunk / C: a chunk_states entry every cs_every kernel chunks
+  int ntiles = 1;    // V tiles per value head
 };
 
 // Zeroes o at the padding token rows: one block per row.
@@ -72,7 +72,7 @@ struct PadArgs {
 struct DecArgs {
   DTensor q, k, v, g, beta, o;  // [N, T, ...]
   DTransforms tr;
-  DState pool;                      // fp32, read and written in place
+  DState pool;                          // fp32, read and written in place
   const std::int64_t* read = nullptr;   // [N] slot each row reads, -1: padding row
   const std::int64_t* write = nullptr;  // [N * T] slot the state after token t goes to, -1: none
   std::int64_t num_items = 0;           // N * HV * ntiles

@@ -10,7 +10,8 @@ namespace kda::cuda {
 
 using ForwardLauncher = int (*)(const FwdArgs& args, std::size_t smem_bytes, void* stream);
 
-#define KDA_DECLARE_FORWARD_LAUNCHER(name) int launch_forward_##name(const FwdArgs& args, std::size_t smem_bytes, void* stream);
+#define KDA_DECLARE_FORWARD_LAUNCHER(name) \
+  int launch_forward_##name(const FwdArgs& args, std::size_t smem_bytes, void* stream);
 KDA_DECLARE_FORWARD_LAUNCHER(k64_f32)
 KDA_DECLARE_FORWARD_LAUNCHER(k64_bf16)
 KDA_DECLARE_FORWARD_LAUNCHER(k64_f16)

@@ -32,21 +32,28 @@ struct FwdKernelInfo {
 };
 
 inline constexpr FwdKernelInfo kFwdKernels[] = {
-    {"k64_f32", 64, 64, 64, kF32},    {"k64_bf16", 64, 64, 64, kBF16},   {"k64_f16", 64, 64, 64, kF16},
-    {"k128_f32", 128, 32, 64, kF32},  {"k128_bf16", 128, 32, 64, kBF16}, {"k128_f16", 128, 32, 64, kF16},
+    {"k64_f32", 64, 64, 64, kF32},       {"k64_bf16", 64, 64, 64, kBF16},   {"k64_f16", 64, 64, 64, kF16},
+    {"k128_f32", 128, 32, 64, kF32},     {"k128_bf16", 128, 32, 64, kBF16}, {"k128_f16", 128, 32, 64, kF16},
     {"generic", 256, 32, 32, kAnyDtype},
 };
 static_assert(sizeof(kFwdKernels) / sizeof(kFwdKernels[0]) == static_cast<int>(FwdKernel::kCount));
 
-inline const FwdKernelInfo& kernel_info(FwdKernel k) { return kFwdKernels[static_cast<int>(k)]; }
+inline const FwdKernelInfo& kernel_info(FwdKernel k) {
+  return kFwdKernels[static_cast<int>(k)];
+}
 
 inline int dtype_code(DType d) {
   switch (d) {
-    case DType::kF32: return kF32;
-    case DType::kBF16: return kBF16;
-    case DType::kF16: return kF16;
-    case DType::kF64: return kF64;
-    default: return -1;  // index dtypes never reach a float load
+    case DType::kF32:
+      return kF32;
+    case DType::kBF16:
+      return kBF16;
+    case DType::kF16:
+      return kF16;
+    case DType::kF64:
+      return kF64;
+    default:
+      return -1;  // index dtypes never reach a float load
   }
 }
 
@@ -64,7 +71,8 @@ inline std::optional<std::string> why_unsupported_sizes(std::int64_t K, std::int
   if (K > kMaxHeadDim || V > kMaxHeadDim) {
     return "kda (CUDA): head dims K = " + std::to_string(K) + ", V = " + std::to_string(V) +
            " are not supported on CUDA (at most " + std::to_string(kMaxHeadDim) +
-           " each: the state tile and the chunk products must fit in shared memory); use host tensors for the CPU backend";
+           " each: the state tile and the chunk products must fit in shared memory); use host tensors for the CPU "
+           "backend";
   }
   return std::nullopt;
 }

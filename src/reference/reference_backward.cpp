@@ -132,8 +132,7 @@ Status reference_backward(const BackwardParams& prm) {
           for (std::int64_t j = 0; j < V; ++j)
             dS[i * V + j] = load_as<double>(prm.d_final_state.data, prm.d_final_state.dtype,
                                             state_index(prm.d_final_state, seg.state, hv, i, j));
-      std::vector<double> states((kCheckpoint + 1) * KV), Sd(KV), r(V), dq(K), dk(K), dr(V), dgam(K),
-          dO(V);
+      std::vector<double> states((kCheckpoint + 1) * KV), Sd(KV), r(V), dq(K), dk(K), dr(V), dgam(K), dO(V);
       for (std::int64_t cp = ncp - 1; cp >= 0; --cp) {
         const std::int64_t t0 = cp * kCheckpoint, t1 = std::min(L, t0 + kCheckpoint);
         std::copy(cps.begin() + cp * KV, cps.begin() + (cp + 1) * KV, states.begin());
@@ -273,7 +272,8 @@ Status reference_backward(const BackwardParams& prm) {
           if (prm.dg.defined()) store_from<double>(prm.dg.data, prm.dg.dtype, off4(prm.dg, pad.batch, t, hv, i), 0.0);
         if (prm.dbeta.defined())
           store_from<double>(prm.dbeta.data, prm.dbeta.dtype,
-                             pad.batch * prm.dbeta.strides[0] + t * prm.dbeta.strides[1] + hv * prm.dbeta.strides[2], 0.0);
+                             pad.batch * prm.dbeta.strides[0] + t * prm.dbeta.strides[1] + hv * prm.dbeta.strides[2],
+                             0.0);
       }
     }
   if (prm.dA_log.defined())

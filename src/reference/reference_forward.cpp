@@ -43,10 +43,12 @@ Status reference_forward(const ForwardParams& prm) {
                                S[i * V + j]);
       }
       for (std::int64_t d = 0; d < K; ++d) {
-        qt[d] = load_as<double>(q.data, q.dtype, b * q.strides[0] + t * q.strides[1] + h * q.strides[2] + d * q.strides[3]);
-        kt[d] = load_as<double>(k.data, k.dtype, b * k.strides[0] + t * k.strides[1] + h * k.strides[2] + d * k.strides[3]);
-        const double graw =
-            load_as<double>(g.data, g.dtype, b * g.strides[0] + t * g.strides[1] + hv * g.strides[2] + d * g.strides[3]);
+        qt[d] =
+            load_as<double>(q.data, q.dtype, b * q.strides[0] + t * q.strides[1] + h * q.strides[2] + d * q.strides[3]);
+        kt[d] =
+            load_as<double>(k.data, k.dtype, b * k.strides[0] + t * k.strides[1] + h * k.strides[2] + d * k.strides[3]);
+        const double graw = load_as<double>(g.data, g.dtype,
+                                            b * g.strides[0] + t * g.strides[1] + hv * g.strides[2] + d * g.strides[3]);
         gt[d] = detail::activate_gate(p, gp, graw, d);
       }
       if (p.l2norm) {
@@ -63,14 +65,16 @@ Status reference_forward(const ForwardParams& prm) {
       for (std::int64_t j = 0; j < V; ++j) {
         double acc = 0;
         for (std::int64_t i = 0; i < K; ++i) acc += S[i * V + j] * kt[i];
-        r[j] = load_as<double>(v.data, v.dtype, b * v.strides[0] + t * v.strides[1] + hv * v.strides[2] + j * v.strides[3]) - acc;
+        r[j] = load_as<double>(v.data, v.dtype,
+                               b * v.strides[0] + t * v.strides[1] + hv * v.strides[2] + j * v.strides[3]) -
+               acc;
       }
       // the token's delta v_new = beta r (ForwardParams::v_new)
       const auto& vn = prm.v_new;
       if (vn.defined())
         for (std::int64_t j = 0; j < V; ++j)
-          store_from<double>(vn.data, vn.dtype, b * vn.strides[0] + t * vn.strides[1] + hv * vn.strides[2] + j * vn.strides[3],
-                             bt * r[j]);
+          store_from<double>(vn.data, vn.dtype,
+                             b * vn.strides[0] + t * vn.strides[1] + hv * vn.strides[2] + j * vn.strides[3], bt * r[j]);
       // 3. rank-1 write; 4. readout after the write
       for (std::int64_t i = 0; i < K; ++i)
         for (std::int64_t j = 0; j < V; ++j) S[i * V + j] += bt * kt[i] * r[j];
@@ -98,7 +102,8 @@ Status reference_forward(const ForwardParams& prm) {
       for (std::int64_t t = pad.start; t < pad.end; ++t)
         for (std::int64_t hv = 0; hv < p.HV; ++hv)
           for (std::int64_t j = 0; j < V; ++j)
-            store_from<double>(x.data, x.dtype, pad.batch * x.strides[0] + t * x.strides[1] + hv * x.strides[2] + j * x.strides[3], 0.0);
+            store_from<double>(x.data, x.dtype,
+                               pad.batch * x.strides[0] + t * x.strides[1] + hv * x.strides[2] + j * x.strides[3], 0.0);
   }
   return {};
 }

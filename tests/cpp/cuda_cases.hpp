@@ -19,7 +19,9 @@ struct NamedCase {
   std::string name;
   Case c;
 };
-inline void PrintTo(const NamedCase& c, std::ostream* os) { *os << c.name; }
+inline void PrintTo(const NamedCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 inline std::vector<std::int32_t> id_runs(std::initializer_list<int> lengths, int padding) {
   std::vector<std::int32_t> ids;

@@ -19,7 +19,9 @@ struct DecodeCase {
   std::vector<std::int64_t> idx;       // [N] or [N, T]
   std::vector<std::int64_t> accepted;  // [N] or empty
 };
-inline void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+inline void PrintTo(const DecodeCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 // Every gate, dtype, layout and head shape, each as one token per row (a padding row among them)
 // and as draft tokens with per-token slots and accepted counts.
@@ -35,7 +37,8 @@ inline std::vector<DecodeCase> decode_option_cases() {
   const Opt opts[] = {
       {"logdecay_f32", DType::kF32, Gate::kLogDecay, true, false, false, StateLayout::kKFirst, 2, 2, 32, 32},
       {"softplus_grouped_vfirst", DType::kF32, Gate::kSoftplus, true, false, false, StateLayout::kVFirst, 2, 4, 48, 24},
-      {"lowerbound_beta_sigmoid", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kKFirst, 1, 2, 60, 100},
+      {"lowerbound_beta_sigmoid", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kKFirst, 1, 2, 60,
+       100},
       // V-first rows of 60 floats: the in-place kernel's partial-vector path (masked loads, last line).
       {"lowerbound_vfirst_k60", DType::kF32, Gate::kLowerBound, true, true, true, StateLayout::kVFirst, 1, 2, 60, 100},
       {"no_l2norm_bf16", DType::kBF16, Gate::kLogDecay, false, false, false, StateLayout::kVFirst, 1, 1, 128, 128},
@@ -112,7 +115,8 @@ inline DecodeParams make_decode_params(const DecodeCase& dc, DecodeData& d, Host
   p.slot_indices = idx.view;
   if (!dc.accepted.empty()) {
     acc = HostTensor(DType::kI32, {c.B});
-    for (std::size_t i = 0; i < dc.accepted.size(); ++i) acc.set(static_cast<std::int64_t>(i), static_cast<double>(dc.accepted[i]));
+    for (std::size_t i = 0; i < dc.accepted.size(); ++i)
+      acc.set(static_cast<std::int64_t>(i), static_cast<double>(dc.accepted[i]));
     p.num_accepted_tokens = acc.view;
   }
   return p;
@@ -144,7 +148,8 @@ inline void oracle_decode(const DecodeCase& dc, const DecodeData& d, std::vector
     for (std::int64_t i = 0; i < slot; ++i) row.h0.set(i, pool0[read * slot + i]);
     HostTensor o(DType::kF64, {1, c.T, c.HV, c.V});
     HostTensor ht = kf ? HostTensor(DType::kF64, {1, c.HV, c.K, c.V}) : HostTensor(DType::kF64, {1, c.HV, c.V, c.K});
-    HostTensor states = kf ? HostTensor(DType::kF64, {c.T, c.HV, c.K, c.V}) : HostTensor(DType::kF64, {c.T, c.HV, c.V, c.K});
+    HostTensor states =
+        kf ? HostTensor(DType::kF64, {c.T, c.HV, c.K, c.V}) : HostTensor(DType::kF64, {c.T, c.HV, c.V, c.K});
     ForwardParams f = make_params(one, row, o, ht);
     f.chunk_states = states.view;
     const Status s = reference_forward(f);
@@ -152,10 +157,13 @@ inline void oracle_decode(const DecodeCase& dc, const DecodeData& d, std::vector
     for (std::int64_t i = 0; i < c.T * c.HV * c.V; ++i) eo[n * c.T * c.HV * c.V + i] = o.get(i);
     for (std::int64_t t = 0; t < c.T; ++t) {
       std::int64_t w = -1;
-      if (per_token) w = dc.idx[n * c.T + t];
-      else if (t == c.T - 1) w = read;
+      if (per_token)
+        w = dc.idx[n * c.T + t];
+      else if (t == c.T - 1)
+        w = read;
       if (w < 0) continue;
-      for (std::int64_t i = 0; i < slot; ++i) ep[w * slot + i] = t + 1 < c.T ? states.get((t + 1) * slot + i) : ht.get(i);
+      for (std::int64_t i = 0; i < slot; ++i)
+        ep[w * slot + i] = t + 1 < c.T ? states.get((t + 1) * slot + i) : ht.get(i);
     }
   }
 }

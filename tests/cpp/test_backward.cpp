@@ -1,5 +1,6 @@
 // The chunked backward against the fp64 adjoint oracle (SPEC.md section 4 gradient bounds), for
-// the residual policies (saved states, rematerialized, saved states with v_new), over the forward's matrix; and its exact contracts.
+// the residual policies (saved states, rematerialized, saved states with v_new), over the forward's matrix; and its
+// exact contracts.
 #include "test_util.hpp"
 
 namespace kda::test {
@@ -44,16 +45,14 @@ TEST_P(BackwardMatrix, MatchesAdjointOracle) {
   expect_backward_matches_oracle(c, residuals);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backward, BackwardMatrix,
-                         ::testing::Combine(::testing::ValuesIn(kBwdCases),
-                                            ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                                            ::testing::Values(Residuals::kSaved, Residuals::kRemat,
-                                                              Residuals::kSavedVNew)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  dtype_name(std::get<1>(info.param)) + "_" +
-                                  residuals_name(std::get<2>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Backward, BackwardMatrix,
+    ::testing::Combine(::testing::ValuesIn(kBwdCases), ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(Residuals::kSaved, Residuals::kRemat, Residuals::kSavedVNew)),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param).name) + "_" + dtype_name(std::get<1>(info.param)) + "_" +
+             residuals_name(std::get<2>(info.param));
+    });
 
 // With bf16 inputs the fused backward runs its state products as bf16 dot products (where the
 // CPU has AVX512_BF16), as the forward does; their rounding enters the state cotangent, which

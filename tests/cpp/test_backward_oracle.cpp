@@ -61,8 +61,8 @@ TEST_P(AdjointOracle, MatchesCentralFiniteDifferences) {
     HostTensor* x;
     const std::vector<double>* grad;
   };
-  std::vector<Target> targets = {{"q", &in.q, &g.dq},   {"k", &in.k, &g.dk},         {"v", &in.v, &g.dv},
-                                 {"g", &in.g, &g.dg},   {"beta", &in.beta, &g.dbeta}, {"h0", &in.h0, &g.dh0}};
+  std::vector<Target> targets = {{"q", &in.q, &g.dq}, {"k", &in.k, &g.dk},          {"v", &in.v, &g.dv},
+                                 {"g", &in.g, &g.dg}, {"beta", &in.beta, &g.dbeta}, {"h0", &in.h0, &g.dh0}};
   if (in.has_A_log) {
     targets.push_back({"A_log", &in.A_log, &g.dA_log});
     targets.push_back({"dt_bias", &in.dt_bias, &g.ddt_bias});
@@ -82,7 +82,7 @@ TEST_P(AdjointOracle, MatchesCentralFiniteDifferences) {
       max_grad = std::max(max_grad, std::fabs(fd));
     }
     EXPECT_LE(max_err, 1e-6 * std::max(1.0, max_grad)) << "d" << t.name << ": max |fd - adjoint| = " << max_err
-                                                        << ", max |grad| = " << max_grad << " (" << fc.name << ")";
+                                                       << ", max |grad| = " << max_grad << " (" << fc.name << ")";
     EXPECT_GT(max_grad, 0.0) << "d" << t.name << " is identically zero: the check would be vacuous";
   }
 }

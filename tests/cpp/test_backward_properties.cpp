@@ -138,8 +138,8 @@ TEST_P(ReverseCausality, LaterGradientsIgnoreEarlierCotangents) {
   for (std::int64_t i = 0; i < (t + 1) * row; ++i) changed.d_o.set(i, ct.d_o.get(i) * -3.0 + 0.5);
   const Grads after = run_backward(c, in, changed, false);
   for (const auto& [name, a, b] : {std::tuple{"dq", &base.dq, &after.dq}, std::tuple{"dk", &base.dk, &after.dk},
-                                    std::tuple{"dv", &base.dv, &after.dv}, std::tuple{"dg", &base.dg, &after.dg},
-                                    std::tuple{"dbeta", &base.dbeta, &after.dbeta}}) {
+                                   std::tuple{"dv", &base.dv, &after.dv}, std::tuple{"dg", &base.dg, &after.dg},
+                                   std::tuple{"dbeta", &base.dbeta, &after.dbeta}}) {
     expect_bitwise(token_rows(*a, c.T, 0, t + 1, c.T, 1), token_rows(*b, c.T, 0, t + 1, c.T, 1),
                    std::string(name) + " after t=" + std::to_string(t));
   }
@@ -147,7 +147,8 @@ TEST_P(ReverseCausality, LaterGradientsIgnoreEarlierCotangents) {
       << "the change must reach dv[t]; the test would be vacuous otherwise";
 }
 
-INSTANTIATE_TEST_SUITE_P(BackwardExact, ReverseCausality, ::testing::Values<std::int64_t>(0, 15, 16, 40, 63, 64, 100, 148));
+INSTANTIATE_TEST_SUITE_P(BackwardExact, ReverseCausality,
+                         ::testing::Values<std::int64_t>(0, 15, 16, 40, 63, 64, 100, 148));
 
 TEST(BackwardExact, SegmentIsolationUnderNaN) {
   Case c = packed_case(DType::kF32);
@@ -162,8 +163,11 @@ TEST(BackwardExact, SegmentIsolationUnderNaN) {
     for (std::int64_t i = s1 * row; i < s2 * row; i += 5) x->set(i, std::nan(""));
   }
   const Grads after = run_backward(c, bad, ct, false);
-  const std::pair<const std::vector<double>*, const std::vector<double>*> grads[] = {
-      {&base.dq, &after.dq}, {&base.dk, &after.dk}, {&base.dv, &after.dv}, {&base.dg, &after.dg}, {&base.dbeta, &after.dbeta}};
+  const std::pair<const std::vector<double>*, const std::vector<double>*> grads[] = {{&base.dq, &after.dq},
+                                                                                     {&base.dk, &after.dk},
+                                                                                     {&base.dv, &after.dv},
+                                                                                     {&base.dg, &after.dg},
+                                                                                     {&base.dbeta, &after.dbeta}};
   for (const auto& [a, b] : grads) {
     expect_bitwise(token_rows(*a, c.T, 0, 0, s1, 1), token_rows(*b, c.T, 0, 0, s1, 1), "segment 0");
     expect_bitwise(token_rows(*a, c.T, 0, s2, c.T, 1), token_rows(*b, c.T, 0, s2, c.T, 1), "segments after 1");
@@ -242,10 +246,10 @@ TEST(BackwardNumerics, InfiniteLogDecay) {
     const Grads ref = run_backward(c, in, ct, true);
     for (Residuals r : {Residuals::kSaved, Residuals::kRemat}) {
       const Grads out = run_backward(c, in, ct, false, r);
-      for (const auto& [name, a, b] : {std::tuple{"dq", &out.dq, &ref.dq}, std::tuple{"dk", &out.dk, &ref.dk},
-                                        std::tuple{"dv", &out.dv, &ref.dv}, std::tuple{"dg", &out.dg, &ref.dg},
-                                        std::tuple{"dbeta", &out.dbeta, &ref.dbeta},
-                                        std::tuple{"dh0", &out.dh0, &ref.dh0}}) {
+      for (const auto& [name, a, b] :
+           {std::tuple{"dq", &out.dq, &ref.dq}, std::tuple{"dk", &out.dk, &ref.dk}, std::tuple{"dv", &out.dv, &ref.dv},
+            std::tuple{"dg", &out.dg, &ref.dg}, std::tuple{"dbeta", &out.dbeta, &ref.dbeta},
+            std::tuple{"dh0", &out.dh0, &ref.dh0}}) {
         const Metric m = compare(*a, *b);
         EXPECT_TRUE(m.finite && m.rel <= 1e-4) << name << " g=" << value << ": " << m.str();
       }
@@ -264,11 +268,11 @@ TEST(BackwardNumerics, HugeALogSaturatesTheGate) {
     const Cotangents ct = make_cotangents(c, 12);
     const Grads ref = run_backward(c, in, ct, true);
     const Grads out = run_backward(c, in, ct, false);
-    for (const auto& [name, a, b] : {std::tuple{"dq", &out.dq, &ref.dq}, std::tuple{"dk", &out.dk, &ref.dk},
-                                      std::tuple{"dv", &out.dv, &ref.dv}, std::tuple{"dg", &out.dg, &ref.dg},
-                                      std::tuple{"dbeta", &out.dbeta, &ref.dbeta}, std::tuple{"dh0", &out.dh0, &ref.dh0},
-                                      std::tuple{"dA_log", &out.dA_log, &ref.dA_log},
-                                      std::tuple{"ddt_bias", &out.ddt_bias, &ref.ddt_bias}}) {
+    for (const auto& [name, a, b] :
+         {std::tuple{"dq", &out.dq, &ref.dq}, std::tuple{"dk", &out.dk, &ref.dk}, std::tuple{"dv", &out.dv, &ref.dv},
+          std::tuple{"dg", &out.dg, &ref.dg}, std::tuple{"dbeta", &out.dbeta, &ref.dbeta},
+          std::tuple{"dh0", &out.dh0, &ref.dh0}, std::tuple{"dA_log", &out.dA_log, &ref.dA_log},
+          std::tuple{"ddt_bias", &out.ddt_bias, &ref.ddt_bias}}) {
       // dg, dA_log and ddt_bias are dgamma times d gamma / d x, a factor up to
       // |lower_bound| exp(A_log) / 4 ~ 2.8e4 here: fp32 rounding of dgamma (a reverse sum with
       // cancellation under such decays) is amplified by it. Those are held to finiteness and a
@@ -303,12 +307,12 @@ TEST_P(StagedBackward, EqualsFusedToRounding) {
   c.path = Path::kStaged;
   const Grads staged = run_backward(c, in, ct, false, residuals);
   if (chunk != 16) {
-    for (const auto& [out, ref, name] : {std::tuple{&fused.dq, &staged.dq, "dq"}, std::tuple{&fused.dk, &staged.dk, "dk"},
-                                         std::tuple{&fused.dv, &staged.dv, "dv"}, std::tuple{&fused.dg, &staged.dg, "dg"},
-                                         std::tuple{&fused.dbeta, &staged.dbeta, "dbeta"},
-                                         std::tuple{&fused.dh0, &staged.dh0, "dh0"},
-                                         std::tuple{&fused.dA_log, &staged.dA_log, "dA_log"},
-                                         std::tuple{&fused.ddt_bias, &staged.ddt_bias, "ddt_bias"}}) {
+    for (const auto& [out, ref, name] :
+         {std::tuple{&fused.dq, &staged.dq, "dq"}, std::tuple{&fused.dk, &staged.dk, "dk"},
+          std::tuple{&fused.dv, &staged.dv, "dv"}, std::tuple{&fused.dg, &staged.dg, "dg"},
+          std::tuple{&fused.dbeta, &staged.dbeta, "dbeta"}, std::tuple{&fused.dh0, &staged.dh0, "dh0"},
+          std::tuple{&fused.dA_log, &staged.dA_log, "dA_log"},
+          std::tuple{&fused.ddt_bias, &staged.ddt_bias, "ddt_bias"}}) {
       const Metric m = compare(*out, *ref);
       EXPECT_TRUE(m.finite && m.rel <= 1e-5) << name << ": " << m.str();
     }

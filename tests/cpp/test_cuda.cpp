@@ -20,8 +20,8 @@ const std::string& no_device_reason() {
   return reason;
 }
 
-#define KDA_SKIP_WITHOUT_DEVICE()                                   \
-  do {                                                              \
+#define KDA_SKIP_WITHOUT_DEVICE()                                        \
+  do {                                                                   \
     if (!no_device_reason().empty()) GTEST_SKIP() << no_device_reason(); \
   } while (0)
 
@@ -80,7 +80,8 @@ ForwardExec gpu_forward(bool indices_on_host = false) {
       dp.cu_seqlens = m.put(hp.cu_seqlens), dp.segment_ids = m.put(hp.segment_ids);
       dp.initial_state_indices = m.put(hp.initial_state_indices);
     }
-    dp.o = m.put(hp.o, true), dp.final_state = m.put(hp.final_state, true), dp.chunk_states = m.put(hp.chunk_states, true);
+    dp.o = m.put(hp.o, true), dp.final_state = m.put(hp.final_state, true),
+    dp.chunk_states = m.put(hp.chunk_states, true);
     const Status s = chunk_forward(dp);
     const Status f = m.finish();
     return s.ok() ? f : s;
@@ -106,7 +107,9 @@ class CudaForward : public ::testing::TestWithParam<NamedCase> {
   void SetUp() override { KDA_SKIP_WITHOUT_DEVICE(); }
 };
 
-TEST_P(CudaForward, MatchesOracle) { expect_exec_matches_oracle(GetParam().c, gpu_forward(), "CUDA forward"); }
+TEST_P(CudaForward, MatchesOracle) {
+  expect_exec_matches_oracle(GetParam().c, gpu_forward(), "CUDA forward");
+}
 
 TEST_P(CudaForward, GenericKernelMatchesOracle) {
   setenv("KDA_CUDA_KERNEL", "generic", 1);
@@ -122,7 +125,9 @@ class CudaDecode : public ::testing::TestWithParam<DecodeCase> {
   void SetUp() override { KDA_SKIP_WITHOUT_DEVICE(); }
 };
 
-TEST_P(CudaDecode, MatchesOracle) { expect_decode_exec_matches_oracle(GetParam(), gpu_decode(), "CUDA decode"); }
+TEST_P(CudaDecode, MatchesOracle) {
+  expect_decode_exec_matches_oracle(GetParam(), gpu_decode(), "CUDA decode");
+}
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaDecode, ::testing::ValuesIn(decode_option_cases()),
                          [](const auto& info) { return info.param.name; });
@@ -164,7 +169,8 @@ TEST_F(CudaApi, SegmentsAreBatchInvariantBitwise) {
 TEST_F(CudaApi, BackwardSaysItIsNotSupported) {
   Case c;
   const Inputs in = make_inputs(c);
-  HostTensor o(c.dtype, {c.B, c.T, c.HV, c.V}), ht(DType::kF32, {1, c.HV, c.K, c.V}), d_o = o, dq(c.dtype, {c.B, c.T, c.H, c.K});
+  HostTensor o(c.dtype, {c.B, c.T, c.HV, c.V}), ht(DType::kF32, {1, c.HV, c.K, c.V}), d_o = o,
+                                                                                      dq(c.dtype, {c.B, c.T, c.H, c.K});
   ForwardParams f = make_params(c, in, o, ht);
   DeviceMirror m;
   BackwardParams b;

@@ -26,14 +26,22 @@ void emulate_config(const cuda::FwdArgs& a) {
 
 void emulate(FwdKernel kernel, const cuda::FwdArgs& a) {
   switch (kernel) {
-    case FwdKernel::kK64F32: return emulate_config<0>(a);
-    case FwdKernel::kK64BF16: return emulate_config<1>(a);
-    case FwdKernel::kK64F16: return emulate_config<2>(a);
-    case FwdKernel::kK128F32: return emulate_config<3>(a);
-    case FwdKernel::kK128BF16: return emulate_config<4>(a);
-    case FwdKernel::kK128F16: return emulate_config<5>(a);
-    case FwdKernel::kGeneric: return emulate_config<6>(a);
-    case FwdKernel::kCount: break;
+    case FwdKernel::kK64F32:
+      return emulate_config<0>(a);
+    case FwdKernel::kK64BF16:
+      return emulate_config<1>(a);
+    case FwdKernel::kK64F16:
+      return emulate_config<2>(a);
+    case FwdKernel::kK128F32:
+      return emulate_config<3>(a);
+    case FwdKernel::kK128BF16:
+      return emulate_config<4>(a);
+    case FwdKernel::kK128F16:
+      return emulate_config<5>(a);
+    case FwdKernel::kGeneric:
+      return emulate_config<6>(a);
+    case FwdKernel::kCount:
+      break;
   }
   FAIL() << "unknown kernel";
 }
@@ -80,7 +88,9 @@ INSTANTIATE_TEST_SUITE_P(CudaEmulation, CudaEmulationForward, ::testing::ValuesI
 
 class CudaEmulationDecode : public ::testing::TestWithParam<DecodeCase> {};
 
-TEST_P(CudaEmulationDecode, MatchesOracle) { expect_decode_exec_matches_oracle(GetParam(), emulated_decode(), "emulated decode"); }
+TEST_P(CudaEmulationDecode, MatchesOracle) {
+  expect_decode_exec_matches_oracle(GetParam(), emulated_decode(), "emulated decode");
+}
 
 INSTANTIATE_TEST_SUITE_P(CudaEmulation, CudaEmulationDecode, ::testing::ValuesIn(decode_option_cases()),
                          [](const auto& info) { return info.param.name; });

@@ -14,7 +14,8 @@ namespace {
 constexpr double kPoison = 0x1p100;  // exact in fp32; untouched pool slots must keep exactly this
 
 void expect_decode_matches_oracle(const DecodeCase& dc) {
-  expect_decode_exec_matches_oracle(dc, [](const DecodeParams& p) { return decode(p); }, "decode");
+  expect_decode_exec_matches_oracle(
+      dc, [](const DecodeParams& p) { return decode(p); }, "decode");
 }
 
 class DecodeOptions : public ::testing::TestWithParam<DecodeCase> {};
@@ -22,7 +23,9 @@ class DecodeOptions : public ::testing::TestWithParam<DecodeCase> {};
 // decode_option_cases(): every gate, dtype, layout and head shape, one token per row (with a
 // padding row) and draft tokens with per-token slots and accepted counts (a rejected token's
 // state not kept); o and the pool against the oracle, untouched slots bitwise unchanged.
-TEST_P(DecodeOptions, MatchesOracle) { expect_decode_matches_oracle(GetParam()); }
+TEST_P(DecodeOptions, MatchesOracle) {
+  expect_decode_matches_oracle(GetParam());
+}
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeOptions, ::testing::ValuesIn(decode_option_cases()),
                          [](const auto& info) { return info.param.name; });
@@ -71,8 +74,7 @@ TEST_P(PrefillThenDecode, TokenByTokenEqualsPrefillAndContinuesIt) {
     const Status s = decode(p);
     ASSERT_TRUE(s.ok()) << s.message();
     for (std::int64_t b = 0; b < c.B; ++b)
-      for (std::int64_t i = 0; i < c.HV * c.V; ++i)
-        o_dec[(b * c.T + t) * c.HV * c.V + i] = o.get(b * c.HV * c.V + i);
+      for (std::int64_t i = 0; i < c.HV * c.V; ++i) o_dec[(b * c.T + t) * c.HV * c.V + i] = o.get(b * c.HV * c.V + i);
   }
   const Metric mo = compare(o_dec, prefill.o);
   EXPECT_TRUE(mo.rel <= 1e-5) << "decode vs prefill o: " << mo.str();
@@ -101,7 +103,9 @@ TEST_P(PrefillThenDecode, TokenByTokenEqualsPrefillAndContinuesIt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, PrefillThenDecode, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
-                         [](const auto& info) { return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst"); });
+                         [](const auto& info) {
+                           return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst");
+                         });
 
 TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   DecodeCase dc;
@@ -164,7 +168,9 @@ TEST_P(DecodeSlotStores, AlignedAndMisalignedPoolsGiveTheSameBits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeSlotStores, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
-                         [](const auto& info) { return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst"); });
+                         [](const auto& info) {
+                           return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst");
+                         });
 
 struct DecodeError {
   const char* name;
@@ -174,7 +180,9 @@ struct DecodeError {
   std::vector<std::string> message_has;
 };
 
-void PrintTo(const DecodeError& e, std::ostream* os) { *os << e.name; }
+void PrintTo(const DecodeError& e, std::ostream* os) {
+  *os << e.name;
+}
 
 class DecodeErrors : public ::testing::TestWithParam<DecodeError> {};
 
@@ -200,13 +208,17 @@ TEST_P(DecodeErrors, NamesTheArgumentAndWritesNothing) {
 
 INSTANTIATE_TEST_SUITE_P(
     Decode, DecodeErrors,
-    ::testing::Values(DecodeError{"slot_out_of_range", {1, 6, 2}, {}, 1, {"'slot_indices'", "< slots = 6", "got 6", "row 1"}},
-                      DecodeError{"duplicate_writer", {1, 3, 1}, {}, 1, {"'slot_indices'", "slot 1", "rows 0 and 2"}},
-                      DecodeError{"duplicate_writer_per_token", {0, 1, 2, 1, 4, 5}, {}, 2, {"slot 1", "rows 0 and 1"}},
-                      DecodeError{"accepted_out_of_range", {0, 1, 2, 3, 4, 5}, {1, 3, 1}, 2,
-                                  {"'num_accepted_tokens'", "[1, T = 2]", "got 3"}},
-                      DecodeError{"accepted_zero", {0, 1, 2, 3, 4, 5}, {1, 0, 1}, 2, {"'num_accepted_tokens'", "got 0"}},
-                      DecodeError{"late_slot_out_of_range", {0, 1, 2, 3, 4, 9}, {}, 2, {"got 9", "row 2, token 1"}}),
+    ::testing::Values(
+        DecodeError{"slot_out_of_range", {1, 6, 2}, {}, 1, {"'slot_indices'", "< slots = 6", "got 6", "row 1"}},
+        DecodeError{"duplicate_writer", {1, 3, 1}, {}, 1, {"'slot_indices'", "slot 1", "rows 0 and 2"}},
+        DecodeError{"duplicate_writer_per_token", {0, 1, 2, 1, 4, 5}, {}, 2, {"slot 1", "rows 0 and 1"}},
+        DecodeError{"accepted_out_of_range",
+                    {0, 1, 2, 3, 4, 5},
+                    {1, 3, 1},
+                    2,
+                    {"'num_accepted_tokens'", "[1, T = 2]", "got 3"}},
+        DecodeError{"accepted_zero", {0, 1, 2, 3, 4, 5}, {1, 0, 1}, 2, {"'num_accepted_tokens'", "got 0"}},
+        DecodeError{"late_slot_out_of_range", {0, 1, 2, 3, 4, 9}, {}, 2, {"got 9", "row 2, token 1"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(DecodeErrorsShape, PoolShapeAndDtype) {

@@ -62,7 +62,9 @@ TEST_P(ShapeMatrix, Bf16MatchesOracle) {
 // state. The representative options (SPEC.md 5) at T = 8192, with and without bf16 products.
 class LongBf16 : public ::testing::TestWithParam<bool> {};
 
-TEST_P(LongBf16, MatchesOracleAtT8192) { expect_matches_oracle(long_bf16_case(8192, GetParam())); }
+TEST_P(LongBf16, MatchesOracleAtT8192) {
+  expect_matches_oracle(long_bf16_case(8192, GetParam()));
+}
 
 INSTANTIATE_TEST_SUITE_P(Forward, LongBf16, ::testing::Bool(),
                          [](const auto& info) { return std::string(info.param ? "bf16_products" : "fp32_products"); });

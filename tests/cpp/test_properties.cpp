@@ -69,8 +69,7 @@ TEST(Exact, SegmentIdsEqualCuSeqlensBitwise) {
     const std::int64_t len = c.cu_seqlens[i + 1] - c.cu_seqlens[i];
     if (len == 0) continue;
     kept.push_back(static_cast<std::int64_t>(i));
-    s.segment_ids.insert(s.segment_ids.end(), static_cast<std::size_t>(len),
-                         static_cast<std::int32_t>(kept.size()));
+    s.segment_ids.insert(s.segment_ids.end(), static_cast<std::size_t>(len), static_cast<std::int32_t>(kept.size()));
   }
   s.max_num_segments = static_cast<std::int64_t>(kept.size());
   Inputs in2 = in;
@@ -84,8 +83,7 @@ TEST(Exact, SegmentIdsEqualCuSeqlensBitwise) {
   const Outputs by_ids = run_forward(s, in2, false);
   expect_bitwise(by_cu.o, by_ids.o, "o");
   for (std::size_t j = 0; j < kept.size(); ++j)
-    expect_bitwise(state_slot(c, by_cu.ht, kept[j]), state_slot(s, by_ids.ht, static_cast<std::int64_t>(j)),
-                   "state");
+    expect_bitwise(state_slot(c, by_cu.ht, kept[j]), state_slot(s, by_ids.ht, static_cast<std::int64_t>(j)), "state");
 }
 
 // Padding (id 0) may lead a row and sit between segments (Tokamax's reference allows both): each
@@ -98,7 +96,10 @@ TEST_P(SegmentIdsPadding, LeadingAndMiddlePaddingEachSegmentEqualsItsOwnRunBitwi
   c.initial_state = true;
   c.gate = Gate::kSoftplus;
   c.path = GetParam();
-  struct Run { std::int32_t id; int len; };
+  struct Run {
+    std::int32_t id;
+    int len;
+  };
   const Run layout[] = {{0, 9}, {1, 40}, {0, 5}, {2, 70}, {3, 10}, {0, 6}};
   for (const Run& r : layout) c.segment_ids.insert(c.segment_ids.end(), static_cast<std::size_t>(r.len), r.id);
   c.max_num_segments = 4;  // slot 4 stays empty
@@ -146,11 +147,13 @@ TEST_P(FusedVsStaged, AgreeToRounding) {
   const Metric mo = compare(fused.o, staged.o), ms = compare(fused.ht, staged.ht);
   EXPECT_TRUE(mo.finite && mo.rel <= (dtype == DType::kF32 ? 1e-6 : 1e-3)) << "o: " << mo.str();
   EXPECT_TRUE(ms.finite && ms.rel <= 1e-6) << "final_state: " << ms.str();
-  if (std::getenv("KDA_TEST_VERBOSE")) std::printf("fused vs staged: o %s, state %s\n", mo.str().c_str(), ms.str().c_str());
+  if (std::getenv("KDA_TEST_VERBOSE"))
+    std::printf("fused vs staged: o %s, state %s\n", mo.str().c_str(), ms.str().c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Exact, FusedVsStaged,
-                         ::testing::Combine(::testing::Values(DType::kF32, DType::kF16), ::testing::Values(64, 32, 16)));
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kF16),
+                                            ::testing::Values(64, 32, 16)));
 
 TEST(Exact, BatchInvarianceAcrossBatchAndThreads) {
   Case c;
@@ -248,8 +251,7 @@ TEST(Exact, VFirstStateIsTheTransposeOfKFirst) {
   vin.h0 = HostTensor(DType::kF32, {1, c.HV, c.V, c.K});
   for (std::int64_t h = 0; h < c.HV; ++h)
     for (std::int64_t i = 0; i < c.K; ++i)
-      for (std::int64_t j = 0; j < c.V; ++j)
-        vin.h0.set((h * c.V + j) * c.K + i, in.h0.get((h * c.K + i) * c.V + j));
+      for (std::int64_t j = 0; j < c.V; ++j) vin.h0.set((h * c.V + j) * c.K + i, in.h0.get((h * c.K + i) * c.V + j));
   const Outputs vf = run_forward(v, vin, false);
   expect_bitwise(kf.o, vf.o, "o");
   std::vector<double> back(kf.ht.size());

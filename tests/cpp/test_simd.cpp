@@ -35,8 +35,8 @@ TEST(Simd, Vsum8IsBitwiseEightVsums) {
     float got[8];
     vsum8(v, got);
     for (int i = 0; i < 8; ++i)
-      ASSERT_EQ(bits(got[i]), bits(vsum(v[i]))) << "trial " << trial << ", vector " << i << ": " << got[i]
-                                                << " vs " << vsum(v[i]);
+      ASSERT_EQ(bits(got[i]), bits(vsum(v[i])))
+          << "trial " << trial << ", vector " << i << ": " << got[i] << " vs " << vsum(v[i]);
   }
 }
 

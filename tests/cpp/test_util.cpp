@@ -20,8 +20,12 @@ float bf16_round(double x) {
 void HostTensor::set(std::int64_t i, double x) {
   void* p = bytes.data();
   switch (view.dtype) {
-    case DType::kF32: static_cast<float*>(p)[i] = static_cast<float>(x); break;
-    case DType::kF64: static_cast<double*>(p)[i] = x; break;
+    case DType::kF32:
+      static_cast<float*>(p)[i] = static_cast<float>(x);
+      break;
+    case DType::kF64:
+      static_cast<double*>(p)[i] = x;
+      break;
     case DType::kBF16: {
       float f = bf16_round(x);
       std::uint32_t u;
@@ -34,16 +38,22 @@ void HostTensor::set(std::int64_t i, double x) {
       std::memcpy(static_cast<std::uint16_t*>(p) + i, &h, 2);
       break;
     }
-    case DType::kI32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(x); break;
-    case DType::kI64: static_cast<std::int64_t*>(p)[i] = static_cast<std::int64_t>(x); break;
+    case DType::kI32:
+      static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(x);
+      break;
+    case DType::kI64:
+      static_cast<std::int64_t*>(p)[i] = static_cast<std::int64_t>(x);
+      break;
   }
 }
 
 double HostTensor::get(std::int64_t i) const {
   const void* p = bytes.data();
   switch (view.dtype) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kF64: return static_cast<const double*>(p)[i];
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kF64:
+      return static_cast<const double*>(p)[i];
     case DType::kBF16: {
       std::uint32_t u = static_cast<std::uint32_t>(static_cast<const std::uint16_t*>(p)[i]) << 16;
       float f;
@@ -55,8 +65,10 @@ double HostTensor::get(std::int64_t i) const {
       std::memcpy(&h, static_cast<const std::uint16_t*>(p) + i, 2);
       return static_cast<float>(h);
     }
-    case DType::kI32: return static_cast<const std::int32_t*>(p)[i];
-    case DType::kI64: return static_cast<double>(static_cast<const std::int64_t*>(p)[i]);
+    case DType::kI32:
+      return static_cast<const std::int32_t*>(p)[i];
+    case DType::kI64:
+      return static_cast<double>(static_cast<const std::int64_t*>(p)[i]);
   }
   return 0;
 }
@@ -115,7 +127,8 @@ Inputs make_inputs(const Case& c) {
   for (std::int64_t i = 0; i < in.h0.numel(); ++i) in.h0.set(i, 0.5 * normal(rng));
   if (!c.cu_seqlens.empty()) {
     in.cu = HostTensor(DType::kI64, {static_cast<std::int64_t>(c.cu_seqlens.size())});
-    for (std::size_t i = 0; i < c.cu_seqlens.size(); ++i) in.cu.set(static_cast<std::int64_t>(i), static_cast<double>(c.cu_seqlens[i]));
+    for (std::size_t i = 0; i < c.cu_seqlens.size(); ++i)
+      in.cu.set(static_cast<std::int64_t>(i), static_cast<double>(c.cu_seqlens[i]));
   }
   if (!c.segment_ids.empty()) {
     const bool two_d = static_cast<std::int64_t>(c.segment_ids.size()) == c.B * c.T && c.B > 1;
@@ -285,7 +298,6 @@ Cotangents make_cotangents(const Case& c, std::uint32_t seed) {
   return ct;
 }
 
-
 Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle, Residuals residuals,
                    bool want_dh0, Path producer_path) {
   const DType gd = oracle ? DType::kF64 : c.dtype;
@@ -322,8 +334,8 @@ Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool o
   if (c.final_state) bp.d_final_state = state_view(c, ct.dht.view);
   HostTensor dq(gd, {c.B, c.T, c.H, c.K}), dk(gd, {c.B, c.T, c.H, c.K}), dv(gd, {c.B, c.T, c.HV, c.V}),
       dg(gd, {c.B, c.T, c.HV, c.K}), dbeta(gd, {c.B, c.T, c.HV});
-  HostTensor dh0 = c.layout == StateLayout::kKFirst ? HostTensor(fd, {n, c.HV, c.K, c.V})
-                                                    : HostTensor(fd, {n, c.HV, c.V, c.K});
+  HostTensor dh0 =
+      c.layout == StateLayout::kKFirst ? HostTensor(fd, {n, c.HV, c.K, c.V}) : HostTensor(fd, {n, c.HV, c.V, c.K});
   HostTensor dA_log(fd, {c.HV}), ddt_bias(fd, {c.HV * c.K});
   for (HostTensor* t : {&dq, &dk, &dv, &dg, &dbeta, &dh0, &dA_log, &ddt_bias}) t->fill(12345.0);
   bp.dq = dq.view, bp.dk = dk.view, bp.dv = dv.view, bp.dg = dg.view, bp.dbeta = dbeta.view;
@@ -353,10 +365,14 @@ void expect_backward_matches_oracle(const Case& c, Residuals residuals) {
     const std::vector<double>& b;
     bool param_like;
   };
-  const Item items[] = {{"dq", out.dq, ref.dq, false},       {"dk", out.dk, ref.dk, false},
-                        {"dv", out.dv, ref.dv, false},       {"dh0", out.dh0, ref.dh0, false},
-                        {"dg", out.dg, ref.dg, true},        {"dbeta", out.dbeta, ref.dbeta, true},
-                        {"dA_log", out.dA_log, ref.dA_log, true}, {"ddt_bias", out.ddt_bias, ref.ddt_bias, true}};
+  const Item items[] = {{"dq", out.dq, ref.dq, false},
+                        {"dk", out.dk, ref.dk, false},
+                        {"dv", out.dv, ref.dv, false},
+                        {"dh0", out.dh0, ref.dh0, false},
+                        {"dg", out.dg, ref.dg, true},
+                        {"dbeta", out.dbeta, ref.dbeta, true},
+                        {"dA_log", out.dA_log, ref.dA_log, true},
+                        {"ddt_bias", out.ddt_bias, ref.ddt_bias, true}};
   for (const Item& it : items) {
     const Metric m = compare(it.a, it.b);
     const double bound = grad_bound(c.dtype, it.param_like);
@@ -366,6 +382,8 @@ void expect_backward_matches_oracle(const Case& c, Residuals residuals) {
   }
 }
 
-bool large_tests() { return std::getenv("KDA_LARGE_TESTS") != nullptr; }
+bool large_tests() {
+  return std::getenv("KDA_LARGE_TESTS") != nullptr;
+}
 
 }  // namespace kda::test

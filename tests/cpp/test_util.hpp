@@ -20,9 +20,12 @@ enum class Gate { kLogDecay, kSoftplus, kLowerBound };
 
 inline const char* gate_name(Gate g) {
   switch (g) {
-    case Gate::kLogDecay: return "logdecay";
-    case Gate::kSoftplus: return "softplus";
-    case Gate::kLowerBound: return "lowerbound";
+    case Gate::kLogDecay:
+      return "logdecay";
+    case Gate::kSoftplus:
+      return "softplus";
+    case Gate::kLowerBound:
+      return "lowerbound";
   }
   return "?";
 }
@@ -42,7 +45,7 @@ struct Case {
   bool bf16_dot_products = true;  // Options::bf16_dot_products
   Path path = Path::kFused;
   int threads = 0;
-  std::vector<std::int64_t> cu_seqlens;  // empty: not used
+  std::vector<std::int64_t> cu_seqlens;   // empty: not used
   std::vector<std::int32_t> segment_ids;  // empty: not used; size T ([T]) or B*T ([B, T])
   std::int64_t max_num_segments = 0;
   std::uint32_t seed = 1;
@@ -56,8 +59,8 @@ struct Case {
   }
   std::string describe() const {
     std::ostringstream os;
-    os << "B=" << B << " T=" << T << " H=" << H << " HV=" << HV << " K=" << K << " V=" << V << " "
-       << dtype_name(dtype) << " gate=" << gate_name(gate) << " l2norm=" << l2norm << " beta_sigmoid=" << beta_sigmoid
+    os << "B=" << B << " T=" << T << " H=" << H << " HV=" << HV << " K=" << K << " V=" << V << " " << dtype_name(dtype)
+       << " gate=" << gate_name(gate) << " l2norm=" << l2norm << " beta_sigmoid=" << beta_sigmoid
        << " neg_eig=" << neg_eigval << " h0=" << initial_state << " ht=" << final_state
        << " vfirst=" << (layout == StateLayout::kVFirst) << " C=" << chunk << " path=" << path_name(path);
     if (!cu_seqlens.empty()) {
@@ -130,8 +133,8 @@ struct Inputs {
 Inputs make_inputs(const Case& c);
 
 struct Outputs {
-  std::vector<double> o;   // [B, T, HV, V]
-  std::vector<double> ht;  // state shape of the case, in its layout
+  std::vector<double> o;      // [B, T, HV, V]
+  std::vector<double> ht;     // state shape of the case, in its layout
   std::vector<double> v_new;  // [B, T, HV, V] when asked for
 };
 
@@ -158,10 +161,14 @@ Cotangents make_cotangents(const Case& c, std::uint32_t seed);
 enum class Residuals { kSaved, kRemat, kSavedVNew, kRematVNew };
 inline const char* residuals_name(Residuals r) {
   switch (r) {
-    case Residuals::kSaved: return "saved";
-    case Residuals::kRemat: return "remat";
-    case Residuals::kSavedVNew: return "saved_vnew";
-    case Residuals::kRematVNew: return "remat_vnew";
+    case Residuals::kSaved:
+      return "saved";
+    case Residuals::kRemat:
+      return "remat";
+    case Residuals::kSavedVNew:
+      return "saved_vnew";
+    case Residuals::kRematVNew:
+      return "remat_vnew";
   }
   return "?";
 }
@@ -172,7 +179,8 @@ struct Grads {
 
 // Runs chunk_forward (+ chunk_states and v_new as `residuals` asks) then chunk_backward, or the
 // fp64 adjoint oracle. The residual comes from the forward of `producer` (the fused path unless
-// told), so backward paths compared with each other start from bitwise the same residual. dh0 is requested when the case has an initial state or when `want_dh0`.
+// told), so backward paths compared with each other start from bitwise the same residual. dh0 is requested when the
+// case has an initial state or when `want_dh0`.
 Grads run_backward(const Case& c, const Inputs& in, const Cotangents& ct, bool oracle,
                    Residuals residuals = Residuals::kSaved, bool want_dh0 = false, Path producer = Path::kFused);
 
@@ -199,7 +207,9 @@ void expect_bitwise(const std::vector<double>& a, const std::vector<double>& b, 
 TensorView state_view(const Case& c, const TensorView& t);
 
 // SPEC.md section 4 bound for o and the final state.
-inline double forward_bound(DType dtype) { return dtype == DType::kF32 ? 1e-5 : 5e-3; }
+inline double forward_bound(DType dtype) {
+  return dtype == DType::kF32 ? 1e-5 : 5e-3;
+}
 
 // Asserts o and final state of the kernel against the oracle within the bound.
 void expect_matches_oracle(const Case& c);
