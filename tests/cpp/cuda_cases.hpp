@@ -23,17 +23,6 @@ inline void PrintTo(const NamedCase& c, std::ostream* os) {
   *os << c.name;
 }
 
-inline std::vector<std::int32_t> id_runs(std::initializer_list<int> lengths, int padding) {
-  std::vector<std::int32_t> ids;
-  int id = 1;
-  for (int len : lengths) {
-    ids.insert(ids.end(), static_cast<std::size_t>(len), id);
-    ++id;
-  }
-  ids.insert(ids.end(), static_cast<std::size_t>(padding), 0);
-  return ids;
-}
-
 // The forward conformance cases: shapes x dtypes, every option, packed sequences, extreme gates.
 inline std::vector<NamedCase> cuda_forward_cases() {
   std::vector<NamedCase> out;

@@ -14,18 +14,6 @@ std::vector<double> token_rows(const std::vector<double>& x, std::int64_t T, std
   return {x.begin() + (b * T + t0) * row, x.begin() + (b * T + t1) * row};
 }
 
-Case packed_case(DType dtype) {
-  Case c;
-  c.cu_seqlens = {0, 15, 100, 100, 230, 301};
-  c.T = 301;
-  c.H = 2, c.HV = 4, c.K = 40, c.V = 24;
-  c.initial_state = true;
-  c.gate = Gate::kSoftplus;
-  c.beta_sigmoid = true;
-  c.dtype = dtype;
-  return c;
-}
-
 class SavedVsRemat : public ::testing::TestWithParam<DType> {};
 
 // Both policies run the same chunk arithmetic on the same entering states.

@@ -73,6 +73,34 @@ struct Case {
   }
 };
 
+// segment_ids (SPEC.md 1.2): runs of ids 1, 2, ... with the given lengths, then `padding` zeros.
+inline std::vector<std::int32_t> id_runs(std::initializer_list<int> lengths, int padding) {
+  std::vector<std::int32_t> ids;
+  int id = 1;
+  for (int len : lengths) {
+    ids.insert(ids.end(), static_cast<std::size_t>(len), id);
+    ++id;
+  }
+  ids.insert(ids.end(), static_cast<std::size_t>(padding), 0);
+  return ids;
+}
+
+// Packed sequences (cu_seqlens with an empty one and boundaries off the chunk grid), grouped value
+// heads, an initial state and every input transform: the backward's and v_new's property tests.
+inline Case packed_case(DType dtype, int chunk = 64, StateLayout layout = StateLayout::kKFirst) {
+  Case c;
+  c.cu_seqlens = {0, 15, 100, 100, 230, 301};
+  c.T = 301;
+  c.H = 2, c.HV = 4, c.K = 40, c.V = 24;
+  c.initial_state = true;
+  c.gate = Gate::kSoftplus;
+  c.beta_sigmoid = true;
+  c.dtype = dtype;
+  c.chunk = chunk;
+  c.layout = layout;
+  return c;
+}
+
 // The representative options of SPEC.md 5 on one long bf16 sequence (K = V = 128, the raw gate
 // with lower_bound, an initial state), with or without bf16 dot products: where the products'
 // rounding could accumulate in the state.

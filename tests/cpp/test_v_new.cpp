@@ -7,23 +7,6 @@
 namespace kda::test {
 namespace {
 
-// Packed sequences with an empty one, grouped value heads and every input transform.
-Case packed_case(DType dtype, int chunk, StateLayout layout) {
-  Case c;
-  c.cu_seqlens = {0, 15, 100, 100, 230, 301};
-  c.T = 301;
-  c.H = 2, c.HV = 4, c.K = 40, c.V = 24;
-  c.initial_state = true;
-  c.final_state = true;
-  c.gate = Gate::kSoftplus;
-  c.beta_sigmoid = true;
-  c.l2norm = true;
-  c.dtype = dtype;
-  c.chunk = chunk;
-  c.layout = layout;
-  return c;
-}
-
 // Two batch rows of segment ids: two segments then trailing padding; leading and inner padding.
 Case padded_ids_case(DType dtype) {
   Case c;

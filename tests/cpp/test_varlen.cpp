@@ -42,23 +42,11 @@ INSTANTIATE_TEST_SUITE_P(Varlen, CuSeqlens,
                                   dtype_name(std::get<1>(info.param)) + "_" + path_name(std::get<2>(info.param));
                          });
 
-// Runs of ids 1..n with the given lengths, then `padding` zeros.
-std::vector<std::int32_t> runs(std::initializer_list<int> lengths, int padding) {
-  std::vector<std::int32_t> ids;
-  int id = 1;
-  for (int len : lengths) {
-    ids.insert(ids.end(), static_cast<std::size_t>(len), id);
-    ++id;
-  }
-  ids.insert(ids.end(), static_cast<std::size_t>(padding), 0);
-  return ids;
-}
-
 class SegmentIds : public ::testing::TestWithParam<Path> {};
 
 TEST_P(SegmentIds, TrailingPaddingAndUnusedSlots) {
   Case c;
-  c.segment_ids = runs({50, 70, 30}, 50);
+  c.segment_ids = id_runs({50, 70, 30}, 50);
   c.T = 200;
   c.max_num_segments = 5;  // slots 4 and 5 are empty
   c.H = 2, c.HV = 2, c.K = 32, c.V = 32;
@@ -71,8 +59,8 @@ TEST_P(SegmentIds, BatchRowsWithDifferentSegmentation) {
   Case c;
   c.B = 2;
   c.T = 130;
-  c.segment_ids = runs({7, 1, 64, 58}, 0);
-  const auto row2 = runs({100}, 30);
+  c.segment_ids = id_runs({7, 1, 64, 58}, 0);
+  const auto row2 = id_runs({100}, 30);
   c.segment_ids.insert(c.segment_ids.end(), row2.begin(), row2.end());
   c.max_num_segments = 4;
   c.H = 1, c.HV = 3, c.K = 16, c.V = 24;
@@ -86,7 +74,7 @@ TEST_P(SegmentIds, BroadcastMapOverBatch) {
   Case c;
   c.B = 3;
   c.T = 90;
-  c.segment_ids = runs({17, 40, 20}, 13);  // [T], shared by all rows
+  c.segment_ids = id_runs({17, 40, 20}, 13);  // [T], shared by all rows
   c.max_num_segments = 3;
   c.H = 1, c.HV = 1, c.K = 24, c.V = 40;
   c.dtype = DType::kF16;
@@ -98,8 +86,8 @@ TEST_P(SegmentIds, PaddingOnlyRow) {
   Case c;
   c.B = 2;
   c.T = 20;
-  c.segment_ids = runs({20}, 0);
-  const auto row2 = runs({}, 20);
+  c.segment_ids = id_runs({20}, 0);
+  const auto row2 = id_runs({}, 20);
   c.segment_ids.insert(c.segment_ids.end(), row2.begin(), row2.end());
   c.max_num_segments = 2;
   c.H = 1, c.HV = 1, c.K = 16, c.V = 16;
