@@ -26,12 +26,18 @@ import torch
 
 from .torch import chunk_kda
 
-__all__ = ["fwd", "fwd_cp", "torch_kda", "has_cpu_extension"]
+__all__ = ["fwd", "fwd_cp", "torch_kda", "has_cpu_extension", "has_cuda_extension"]
 
 
 def has_cpu_extension() -> bool:
     """FlashKDA's check for its compiled CPU kernels: libkda's always are."""
     return True
+
+
+def has_cuda_extension() -> bool:
+    """FlashKDA's check for its CUDA kernels: libkda's CUDA backend is not reachable from here (CPU
+    tensors only, docs/PYTHON.md), so False, and FlashKDA's CUDA-only tests skip."""
+    return False
 
 
 def _check_buffer(name, buf, shape):

@@ -297,10 +297,16 @@ def _implementations(implementation, accepted, only_xla=False):
 
 def _try_callables(callables, args, kwargs):
     """Runs the caller's implementation callables in order; returns (True, result) from the first
-    that does not raise NotImplementedError, or (False, None) to run libkda's."""
+    that does not raise NotImplementedError, or (False, None) to run libkda's. When every entry is
+    a callable and all decline, raises as Tokamax does: a single entry's own NotImplementedError,
+    else ``ExceptionGroup("all implementations failed", errors)``."""
     errors = []
     for impl in callables:
-        if impl is None:
+        if impl is None:  # every entry was a callable and each declined: Tokamax's ending
+            if len(errors) == 1:
+                raise errors[0]  # a single entry's own error, re-raised
+            if sys.version_info >= (3, 11):
+                raise ExceptionGroup("all implementations failed", errors)  # noqa: F821 (3.11 builtin)
             raise NotImplementedError(f"all implementations failed: {errors}")
         try:
             return True, impl(*args, **kwargs)

@@ -509,12 +509,26 @@ def chunk_kda(
                                   flags, chunk_size, bool(output_final_state), bool(disable_recompute))
 
 
+def _recurrent_beta(beta, q, v, use_beta_sigmoid_in_kernel, name):
+    """FLA's fused_recurrent beta: None means beta = 1 (its older default); a per-value-channel
+    beta [B, T, HV, V] (the kernel's IS_BETA_HEADWISE) has no counterpart in libkda's kernels."""
+    if beta is None:
+        if use_beta_sigmoid_in_kernel:
+            raise ValueError(f"{name}: beta=None means beta = 1, which has no logit; pass beta with "
+                             "use_beta_sigmoid_in_kernel=True")
+        return torch.ones(v.shape[:-1], dtype=q.dtype, device=q.device)
+    if beta.dim() == v.dim():
+        raise ValueError(f"{name}: argument 'beta': a per-value-channel beta {list(beta.shape)} (FLA's "
+                         f"IS_BETA_HEADWISE) is not supported; expected shape {list(v.shape[:-1])} [B, T, HV]")
+    return beta
+
+
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
@@ -541,6 +555,7 @@ def fused_recurrent_kda(
     in that dtype: computed in fp32 as always, then cast (the FLA fork's state compression).
     """
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    beta = _recurrent_beta(beta, q, v, use_beta_sigmoid_in_kernel, "fused_recurrent_kda")
     if kwargs.get("ssm_state_indices") is not None:
         return fused_recurrent_kda_fwd(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
@@ -575,7 +590,7 @@ def fused_recurrent_kda_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
@@ -615,6 +630,7 @@ def fused_recurrent_kda_fwd(
     ``out``, when given, receives o (a copy).
     """
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    beta = _recurrent_beta(beta, q, v, use_beta_sigmoid_in_kernel, "fused_recurrent_kda_fwd")
     if inplace_final_state and initial_state is None:
         # FLA's `assert initial_state is not None` (an AssertionError also under python -O).
         raise AssertionError("fused_recurrent_kda_fwd: inplace_final_state=True (the default) writes the final "
@@ -756,8 +772,8 @@ def _gate_input(g, A_log, dt_bias):
     return x, a
 
 
-def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32, *, g_bias=None,
-                   beta=1.0, threshold=20.0, head_k_dim=None):
+def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=torch.float32, *older, g_bias=None,
+                   b=None, beta=1.0, threshold=20.0, head_k_dim=None):
     """``fla.ops.kda.gate.fused_kda_gate``: the in-kernel gate of SPEC.md 1.3 on g ``[..., H, K]``:
     ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
     ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``; ``A_log=None`` means a unit scale
@@ -766,18 +782,31 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
     Also the older form that Kimi Linear's Hugging Face modeling code and vLLM call,
     ``fused_kda_gate(g [..., H * K], A_log, head_k_dim, g_bias=None, beta=1.0, threshold=20.0)``
     (an int third argument): ``-exp(A_log) * softplus(g + g_bias)`` with torch's softplus
-    ``beta`` / ``threshold``, returned as float32 ``[..., H, K]``."""
+    ``beta`` / ``threshold``, returned as float32 ``[..., H, K]``; and its variant with
+    ``b=None`` [..., H] between ``g_bias`` and ``beta``, which returns ``(g_out, sigmoid(b))``
+    (``sigmoid(b)`` in b's dtype) when ``b`` is given."""
     if isinstance(dt_bias, int) or head_k_dim is not None:
         K = dt_bias if isinstance(dt_bias, int) else int(head_k_dim)
         if isinstance(lower_bound, torch.Tensor):  # the older form's 4th positional: g_bias
             g_bias = lower_bound
-        if not isinstance(output_dtype, torch.dtype):  # and its 5th: beta
-            beta = output_dtype
+        if output_dtype is None or isinstance(output_dtype, torch.Tensor):  # the 5th: b (that variant) ...
+            b, rest = output_dtype, older
+        elif not isinstance(output_dtype, torch.dtype):  # ... or beta
+            rest = (output_dtype,) + older
+        else:
+            rest = older
+        if len(rest) > 2:
+            raise TypeError(f"fused_kda_gate: {len(rest) - 2} positional arguments too many after beta, threshold")
+        beta, threshold = (tuple(rest) + (beta, threshold)[len(rest):])[:2]
         if g.shape[-1] % K:
             raise ValueError(f"fused_kda_gate: g's last dimension {g.shape[-1]} is not a multiple of head_k_dim {K}")
         x, a = _gate_input(g.unflatten(-1, (g.shape[-1] // K, K)), A_log, g_bias)
         y = torch.nn.functional.softplus(x, beta=float(beta), threshold=float(threshold))
-        return -(y if a is None else a * y).to(torch.float32)
+        g_out = -(y if a is None else a * y).to(torch.float32)
+        return g_out if b is None else (g_out, torch.sigmoid(b.float()).to(b.dtype))
+    if older or b is not None:
+        raise TypeError("fused_kda_gate: `b` and positional arguments after output_dtype belong to the older form "
+                        "fused_kda_gate(g, A, head_k_dim, g_bias, b, beta, threshold) (an int head_k_dim third)")
     x, a = _gate_input(g, A_log, dt_bias)
     if lower_bound is None:
         y = torch.nn.functional.softplus(x)

@@ -327,3 +327,23 @@ def test_chunk_kda_initial_state_count_must_match_cu_seqlens():
     with pytest.raises(ValueError, match="The number of initial states is expected to be equal to the number of "
                                          "input sequences, i.e., 3 rather than 2"):
         chunk_kda(**x, initial_state=torch.zeros(2, 2, 16, 8), cu_seqlens=torch.tensor([0, 4, 9, 12]))
+
+
+def test_fused_recurrent_beta_none_is_one():
+    """Older FLA's fused_recurrent_kda(..., beta=None) means beta = 1 (its default); a
+    per-value-channel beta [B, T, HV, V] (the newest kernel's IS_BETA_HEADWISE) is refused by name."""
+    torch.manual_seed(3)
+    B, T, H, HV, K, V = 1, 20, 1, 2, 16, 8
+    q, k = F.normalize(torch.randn(B, T, H, K), dim=-1), F.normalize(torch.randn(B, T, H, K), dim=-1)
+    v = torch.randn(B, T, HV, V)
+    g = F.logsigmoid(torch.randn(B, T, HV, K))
+    o1, ht1 = fused_recurrent_kda(q, k, v, g, output_final_state=True)
+    o2, ht2 = fused_recurrent_kda(q, k, v, g, torch.ones(B, T, HV), output_final_state=True)
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    o3, _ = fused_recurrent_kda_fwd(q, k, v, g, inplace_final_state=False)
+    assert torch.equal(o3, o1)
+    with pytest.raises(ValueError, match="beta=None means beta = 1"):
+        fused_recurrent_kda(q, k, v, g, use_beta_sigmoid_in_kernel=True)
+    for fn in (fused_recurrent_kda, lambda *a: fused_recurrent_kda_fwd(*a, inplace_final_state=False)):
+        with pytest.raises(ValueError, match=r"per-value-channel beta \[1, 20, 2, 8\].*\[1, 20, 2\]"):
+            fn(q, k, v, g, torch.rand(B, T, HV, V))

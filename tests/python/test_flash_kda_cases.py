@@ -66,6 +66,13 @@ def test_torch_kda_cpu_gradcheck(use_cpp_backend):
     assert torch.autograd.gradcheck(function, (*inputs, initial_state), fast_mode=True)
 
 
+def test_module_exports_flash_kda_names():
+    """FlashKDA's ``__all__``: every name is here; its CUDA extension is not (CPU tensors only)."""
+    for name in ("fwd", "fwd_cp", "torch_kda", "has_cpu_extension", "has_cuda_extension"):
+        assert name in flash_kda.__all__ and callable(getattr(flash_kda, name))
+    assert flash_kda.has_cuda_extension() is False
+
+
 def test_cpp_backend_matches_pytorch_forward_and_gradients():
     """FlashKDA compares its C++ and PyTorch backends; both are libkda's kernels here, so the two
     settings must agree exactly."""

@@ -390,8 +390,12 @@ def test_implementation_callables_fall_through_on_not_implemented():
     assert seen == [5]
     marker = object()
     assert kj.kimi_delta_attention(**x, implementation=lambda *a, **k: marker) is marker
-    with pytest.raises(NotImplementedError, match="all implementations failed"):
+    # Every entry declines: a single entry's own error, else Tokamax's ExceptionGroup of them all.
+    with pytest.raises(NotImplementedError, match="^not for this shape$"):
         kj.kimi_delta_attention(**x, implementation=(declines,))
+    with pytest.raises(ExceptionGroup, match="all implementations failed") as group:
+        kj.kimi_delta_attention(**x, implementation=[declines, declines])
+    assert [str(e) for e in group.value.exceptions] == ["not for this shape"] * 2
 
 
 def test_registry_entry_binds_with_shape_checks():

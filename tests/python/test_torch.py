@@ -533,3 +533,28 @@ def test_fused_kda_gate_older_signature():
     assert torch.allclose(kt.fused_kda_gate(g, A_log, K, g_bias=dt_bias, beta=2.0, threshold=5.0), ref)
     with pytest.raises(ValueError, match="not a multiple of head_k_dim 5"):
         kt.fused_kda_gate(g, A_log, 5)
+    # beta / threshold positional, after g_bias
+    assert torch.allclose(kt.fused_kda_gate(g, A_log, K, dt_bias, 2.0, 5.0), ref)
+
+
+def test_fused_kda_gate_older_signature_with_b():
+    """The variant fused_kda_gate(g, A, head_k_dim, g_bias=None, b=None, beta=1.0, threshold=20.0)
+    returns (g_out, sigmoid(b)) when b [..., H] is given, by keyword or fifth positional; b's
+    gradient flows through the sigmoid."""
+    torch.manual_seed(6)
+    H, K = 2, 8
+    g = torch.randn(3, 5, H * K)
+    A_log, g_bias = torch.rand(H), torch.randn(H * K)
+    b = torch.randn(3, 5, H, dtype=torch.bfloat16, requires_grad=True)
+    want = kt.fused_kda_gate(g, A_log, K, g_bias=g_bias)
+    for out in (kt.fused_kda_gate(g, A_log, K, g_bias=g_bias, b=b), kt.fused_kda_gate(g, A_log, K, g_bias, b)):
+        assert isinstance(out, tuple) and len(out) == 2
+        assert torch.equal(out[0], want)
+        assert out[1].dtype == torch.bfloat16 and torch.equal(out[1], torch.sigmoid(b.float()).to(torch.bfloat16))
+    ref = kt.fused_kda_gate(g, A_log, K, g_bias, None, 2.0, 5.0)  # b=None positional: beta, threshold follow
+    assert torch.allclose(ref, kt.fused_kda_gate(g, A_log, K, g_bias=g_bias, beta=2.0, threshold=5.0))
+    kt.fused_kda_gate(g, A_log, K, g_bias, b)[1].float().sum().backward()
+    s = torch.sigmoid(b.detach().float())
+    assert torch.allclose(b.grad.float(), (s * (1 - s)).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
+    with pytest.raises(TypeError, match="older form"):
+        kt.fused_kda_gate(g.unflatten(-1, (H, K)), A_log, b=b)
