@@ -69,6 +69,50 @@ TEST_P(LongBf16, MatchesOracleAtT8192) {
 INSTANTIATE_TEST_SUITE_P(Forward, LongBf16, ::testing::Bool(),
                          [](const auto& info) { return std::string(info.param ? "bf16_products" : "fp32_products"); });
 
+// The block that reads a caller's initial state keeps fp32 state products (forward_kernels.inc,
+// reads_initial_state): with bf16 inputs, every sequence's first 16 outputs are bitwise those of
+// a run with bf16_dot_products = false, packed sequences and pooled slots included. Later tokens
+// take bf16 products where the CPU has them (not asserted: they are equal on other CPUs).
+TEST(Bf16Products, FirstBlockWithInitialStateIsFp32) {
+  Case c = packed_case(DType::kBF16);
+  c.cu_seqlens = {0, 40, 41, 120};  // first blocks: tokens 0-15, 40, 41-56
+  c.T = 120;
+  c.K = 64, c.V = 48;
+  const Inputs in = make_inputs(c);
+  Case fp32_products = c;
+  fp32_products.bf16_dot_products = false;
+  const Outputs bf16 = run_forward(c, in, false), fp32 = run_forward(fp32_products, in, false);
+  const std::int64_t row = c.HV * c.V;
+  for (const auto& [start, len] : {std::pair<std::int64_t, std::int64_t>{0, 16}, {40, 1}, {41, 16}}) {
+    const std::vector<double> a(bf16.o.begin() + start * row, bf16.o.begin() + (start + len) * row);
+    const std::vector<double> b(fp32.o.begin() + start * row, fp32.o.begin() + (start + len) * row);
+    expect_bitwise(a, b, "o of the first block from token " + std::to_string(start));
+  }
+}
+
+// FlashKDA's tests start from arange states in V-first layout: rows of nearly equal values, far
+// larger than anything the tokens build, so every output column of the first token is the same
+// cancelling sum over K. With bf16 state products there the first token drifted to 6-9e-3 of the
+// fp64 recurrence; the SPEC.md 4 bound is 5e-3. FlashKDA's gate and shapes (K = V = 128); with
+// bf16 products in that block, seeds 6, 11 and 13 of these 16 measured 5.3-5.5e-3.
+TEST(Bf16Products, ArangeInitialStateMatchesOracle) {
+  for (std::uint32_t seed = 1; seed <= 16; ++seed) {
+    Case c;
+    c.T = 64, c.H = 4, c.HV = 4, c.K = 128, c.V = 128;
+    c.dtype = DType::kBF16;
+    c.gate = Gate::kLowerBound;
+    c.beta_sigmoid = true;
+    c.layout = StateLayout::kVFirst;
+    c.initial_state = true;
+    c.seed = seed;
+    Inputs in = make_inputs(c);
+    for (std::int64_t i = 0; i < in.h0.numel(); ++i) in.h0.set(i, static_cast<double>(i));  // fp32 state
+    const Outputs got = run_forward(c, in, false), want = run_forward(c, in, true);
+    const Metric m = compare(got.o, want.o);
+    EXPECT_LE(m.rel, forward_bound(c.dtype)) << "seed " << seed << " o: " << m.str();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Forward, ShapeMatrix,
                          ::testing::Combine(::testing::ValuesIn(shapes()),
                                             ::testing::Values(Path::kFused, Path::kStaged)),
