@@ -1,8 +1,10 @@
 """FLA's own KDA test cases (fla-org/flash-linear-attention tests/ops/test_kda.py: test_chunk,
-test_chunk_varlen, test_chunk_use_beta_sigmoid_in_kernel, test_chunk_state_v_first,
-test_naive_chunk, test_fused_recurrent, test_fused_recurrent_use_beta_sigmoid_in_kernel,
-test_fused_recurrent_state_v_first, test_fused_recurrent_gate_in_kernel,
-test_fused_recurrent_vllm_decode) run on libkda.torch with
+test_chunk_varlen, test_chunk_varlen_prefill, test_gate, test_chunk_return_intermediate_states,
+test_flash_kda_chunk, test_flash_kda_chunk_varlen, test_chunk_use_beta_sigmoid_in_kernel,
+test_chunk_state_v_first, test_naive_chunk, test_fused_recurrent,
+test_fused_recurrent_use_beta_sigmoid_in_kernel, test_fused_recurrent_state_v_first,
+test_fused_recurrent_gate_in_kernel, test_fused_recurrent_vllm_decode; tests/ops/test_kda_graph.py's
+zero-length tail sequences, eager) run on libkda.torch with
 FLA's metric and tolerances: rms(ref - ours) / rms(ref), skipped when the largest absolute error
 is below 1e-6. The reference is stricter than FLA's: the token-by-token recurrence and the gate
 evaluated in float64 on float64 copies of the inputs (so every tolerance is against the exact
@@ -11,6 +13,7 @@ answer, not against another low-precision kernel).
 The case matrices are FLA's; by default each sequence is cut to at most 256 tokens and 4 heads so
 the whole file runs in seconds on 2 cores. KDA_LARGE_TESTS=1 runs FLA's full sizes (T up to 8192)."""
 
+import inspect
 import os
 
 import pytest
@@ -18,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from libkda.torch import (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd,  # noqa: E402
+from libkda.torch import (chunk_kda, fused_kda_gate, fused_recurrent_kda, fused_recurrent_kda_fwd,  # noqa: E402
                           naive_chunk_kda, naive_kda_gate, naive_kda_lowerbound_gate, naive_recurrent_kda)
 
 LARGE = os.environ.get("KDA_LARGE_TESTS") == "1"
@@ -55,12 +58,38 @@ def check_forward_and_grads(ref, tri, grad_tols):
 
 
 def leaves(*xs):
-    return [x.detach().clone().requires_grad_(True) for x in xs]
+    return [None if x is None else x.detach().clone().requires_grad_(True) for x in xs]
 
 
 def f64(*xs):
     """float64 leaves holding the same values: the reference's inputs."""
     return [None if x is None else x.detach().to(F64).requires_grad_(True) for x in xs]
+
+
+def fla_naive_gate(g, A_log=None, dt_bias=None, lower_bound=None, dtype=F64):
+    """FLA's naive_kda_gate / naive_kda_lowerbound_gate (fla/ops/kda/gate.py) written out, computed
+    in dtype: ``-exp(A_log) * softplus(g + dt_bias)``, or ``lower_bound * sigmoid(exp(A_log) * (g +
+    dt_bias))`` (no A_log: exp(A_log) = 1). libkda's own naive gates are its fused_kda_gate, so the
+    tests of that gate need this independent one."""
+    H, K = g.shape[-2:]
+    x = g.to(dtype) + (0 if dt_bias is None else dt_bias.to(dtype).reshape(H, K))
+    a = 1 if A_log is None else A_log.to(dtype).reshape(H, 1).exp()
+    return -a * F.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(a * x)
+
+
+def recurrent_reference(q, k, v, g, beta, h0, cu_seqlens=None, scale=None):
+    """naive_recurrent_kda (float64 inputs in, so a float64 recurrence) run sequence by sequence
+    over cu_seqlens (B = 1, h0 [N, HV, K, V]) or on the whole batch; returns (o, final states)."""
+    if cu_seqlens is None:
+        return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+    o, ht = [], []
+    for i in range(len(cu_seqlens) - 1):
+        a, b = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+        o_i, ht_i = naive_recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale,
+                                        initial_state=h0[i:i + 1], output_final_state=True)
+        o.append(o_i)
+        ht.append(ht_i)
+    return torch.cat(o, 1), torch.cat(ht, 0)
 
 
 def grads(*xs):
@@ -205,15 +234,8 @@ def test_chunk_varlen(case):
     dht = torch.rand_like(h0)
 
     rq, rk, rv, rg, rb, rh0, rA, rbias = f64(q, k, v, g, beta, h0, A_log, dt_bias)
-    ref, ref_ht = [], []
-    for i in range(N):
-        a, b = int(cu[i]), int(cu[i + 1])
-        gi = naive_kda_gate(rg[:, a:b], rA, rbias, output_dtype=F64) if gate_in_kernel else rg[:, a:b]
-        o_i, ht_i = naive_recurrent_kda(F.normalize(rq[:, a:b], p=2, dim=-1), rk[:, a:b], rv[:, a:b], gi,
-                                        rb[:, a:b], initial_state=rh0[i:i + 1], output_final_state=True)
-        ref.append(o_i)
-        ref_ht.append(ht_i)
-    ref, ref_ht = torch.cat(ref, 1), torch.cat(ref_ht, 0)
+    gate = naive_kda_gate(rg, rA, rbias, output_dtype=F64) if gate_in_kernel else rg
+    ref, ref_ht = recurrent_reference(F.normalize(rq, p=2, dim=-1), rk, rv, gate, rb, rh0, cu)
     ((ref * do.to(F64)).sum() + (ref_ht * dht.to(F64)).sum()).backward()
     ref_g = grads(rq, rk, rv, rg, rb, rh0, rA, rbias)
 
@@ -232,6 +254,225 @@ def test_chunk_varlen(case):
         assert tri_g[6].shape == A_log.shape, "dA_log not in the caller's shape"
         fla_assert_close("dA", ref_g[6], tri_g[6], 0.008)
         fla_assert_close("dbias", ref_g[7], tri_g[7], 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_chunk_varlen_prefill: test_chunk_varlen's cases forward only, under torch.inference_mode
+# (FLA's prefill path), o and ht at 0.005. Its first case is one 8192-token sequence.
+@pytest.mark.parametrize("H,D,mask_p,cu,dtype,gate_in_kernel,safe_gate,disable_recompute", [
+    (4, 60, 0.1, [0, 8192], torch.float16, True, False, False),
+    (4, 64, 0.9, [0, 256, 500, 1000], torch.float16, True, False, False),
+    (4, 128, 0.5, [0, 256, 500, 1000], torch.float16, False, False, False),
+    (4, 100, 0, [0, 15, 100, 300, 1200, 2000], torch.float16, True, False, False),
+    (4, 256, 0, [0, 100, 300, 1200, 3000, 4096], torch.float16, False, True, True),
+], ids=lambda x: str(x).replace("torch.", "").replace(" ", ""))
+@torch.inference_mode()
+def test_chunk_varlen_prefill(H, D, mask_p, cu, dtype, gate_in_kernel, safe_gate, disable_recompute):
+    torch.manual_seed(42)
+    cu = torch.LongTensor(_scaled_cu_seqlens(cu))
+    T, N = int(cu[-1]), len(cu) - 1
+    q = torch.randn((1, T, H, D), dtype=dtype)
+    k = F.normalize(torch.randn(1, T, H, D, dtype=torch.float32), p=2, dim=-1).to(dtype)
+    v = torch.randn((1, T, H, D), dtype=dtype)
+    g = torch.randn(1, T, H, D, dtype=torch.float if not gate_in_kernel else dtype)
+    A_log = dt_bias = None
+    if gate_in_kernel:
+        A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16))
+        dt_bias = torch.randn(H * D, dtype=torch.float32)
+    else:
+        g = F.logsigmoid(g)
+        g = g * (torch.rand_like(g) > mask_p)
+    mask = torch.rand_like(g) > mask_p
+    g = g * mask + (~mask) * (-1000)
+    if safe_gate:
+        g = g.clamp(-5, 0)
+    beta = torch.rand(1, T, H, dtype=dtype).sigmoid()
+    h0 = torch.randn((N, H, D, D), dtype=torch.float32)
+
+    tri, tri_ht = chunk_kda(q=F.normalize(q.clone(), p=2, dim=-1), k=k.clone(), v=v.clone(), g=g.clone(),
+                            beta=beta.clone(), A_log=A_log, dt_bias=dt_bias, initial_state=h0.clone(),
+                            output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+                            use_gate_in_kernel=gate_in_kernel, safe_gate=safe_gate,
+                            disable_recompute=disable_recompute)
+    gate = fla_naive_gate(g, A_log, dt_bias) if gate_in_kernel else g.to(F64)
+    ref, ref_ht = recurrent_reference(F.normalize(q.to(F64), p=2, dim=-1), k.to(F64), v.to(F64), gate,
+                                      beta.to(F64), h0.to(F64), cu)
+    fla_assert_close("o", ref, tri, 0.005)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.005)
+
+
+# ------------------------------------------------------------------------------------------
+# test_gate: fused_kda_gate and the naive gates, called with FLA's keywords, over FLA's
+# HAS_A_LOG x HAS_BIAS x LOWER_BOUND matrix; forward, dg, dA_log (in A_log's [1, 1, H, 1]) and
+# dbias at 1e-4 against FLA's naive gate computed as FLA computes it, in float32. (Not against
+# float64: there FLA's own float32 naive gate is 2.0e-4 off in dA on the first case, whose dA sums
+# 24 saturated-sigmoid terms to 5e-2; 1e-4 bounds a float32 evaluation, not the exact value.)
+@pytest.mark.parametrize("B,T,H,D,has_a_log,has_bias,lower_bound", [
+    (1, 2, 2, 12, True, False, -5.0),
+    (1, 32, 2, 16, True, False, -5.0),
+    (2, 64, 4, 32, True, False, -5.0),
+    (4, 128, 8, 64, True, False, -5.0),
+    (4, 128, 8, 128, True, False, None),
+    (1, 2, 2, 12, True, True, None),
+    (1, 32, 2, 16, True, True, None),
+    (2, 64, 4, 32, True, True, None),
+    (4, 128, 8, 64, True, True, None),
+    (4, 128, 8, 128, True, True, None),
+    (1, 2, 2, 12, False, False, -5.0),
+    (2, 64, 4, 32, False, False, -5.0),
+    (4, 128, 8, 64, False, True, -5.0),
+    (4, 128, 8, 128, False, True, -5.0),
+], ids=lambda x: str(x))
+def test_gate(B, T, H, D, has_a_log, has_bias, lower_bound):
+    torch.manual_seed(42)
+    g = torch.randn(B, T, H, D, dtype=torch.float32) * 10
+    A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16)) if has_a_log else None
+    dt_bias = torch.randn(H * D, dtype=torch.float32) if has_bias else None
+    do = torch.randn_like(g)
+    rg, rA, rbias = leaves(g, A_log, dt_bias)
+    ref = fla_naive_gate(rg, rA, rbias, lower_bound, dtype=torch.float32)
+    (ref * do).sum().backward()
+    ref_dg, ref_dA, ref_dbias = grads(rg, rA, rbias)
+
+    def naive(g, A_log, dt_bias):  # FLA's reference call, FLA's keywords
+        if lower_bound is None:
+            return naive_kda_gate(g=g, A_log=A_log, dt_bias=dt_bias)
+        return naive_kda_lowerbound_gate(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+
+    def fused(g, A_log, dt_bias):
+        return fused_kda_gate(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+
+    for name, gate_fn in (("naive", naive), ("fused", fused)):
+        tg, tA, tbias = leaves(g, A_log, dt_bias)
+        tri = gate_fn(tg, tA, tbias)
+        (tri * do).sum().backward()
+        fla_assert_close(f"{name} o", ref, tri, 1e-4)
+        fla_assert_close(f"{name} dg", ref_dg, tg.grad, 1e-4)
+        if has_a_log:
+            assert tA.grad.shape == A_log.shape
+            fla_assert_close(f"{name} dA", ref_dA, tA.grad, 1e-4)
+        if has_bias:
+            fla_assert_close(f"{name} dbias", ref_dbias, tbias.grad, 1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# test_chunk_return_intermediate_states, at FLA's sizes (B=2, T=1024, H=4, D=128, bf16): in
+# inference mode h is the state entering every 64-token chunk, [B, NT, H, K, V] in the input
+# dtype (varlen: [1, NC, H, K, V]). FLA's inputs (raw randn g, so growing decays) overflow; only
+# shapes and dtypes are checked, as FLA does, plus h[:, 0] = the (zero) initial state.
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_chunk_return_intermediate_states(dtype):
+    torch.manual_seed(42)
+    B, T, H, D, chunk_size = 2, 1024, 4, 128, 64
+    q, k, v, g = (torch.randn(B, T, H, D, dtype=dtype) for _ in range(4))
+    beta = torch.rand(B, T, H, dtype=dtype)
+    with torch.inference_mode():
+        o, final_state, h = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                                      return_intermediate_states=True, disable_recompute=False)
+        assert o.shape == (B, T, H, D)
+        assert final_state.shape == (B, H, D, D)
+        assert h.shape == (B, (T + chunk_size - 1) // chunk_size, H, D, D) and h.dtype == dtype
+        assert not h[:, 0].any(), "the state entering the first chunk is not the zero initial state"
+
+        N = 2
+        cu_seqlens = torch.tensor([0, T // N, T], dtype=torch.long)
+        q, k, v, g = (torch.randn(1, T, H, D, dtype=dtype) for _ in range(4))
+        beta = torch.rand(1, T, H, dtype=dtype)
+        o, final_state, h = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                                      cu_seqlens=cu_seqlens, return_intermediate_states=True,
+                                      disable_recompute=False)
+        assert o.shape == (1, T, H, D)
+        assert final_state.shape == (N, H, D, D)
+        assert h.shape[0] == 1 and h.shape[2:] == (H, D, D) and h.dtype == dtype
+
+
+# ------------------------------------------------------------------------------------------
+# test_flash_kda_chunk / test_flash_kda_chunk_varlen: chunk_kda called with the keywords that
+# route FLA to its FlashKDA backend (l2norm, gate and beta sigmoid in kernel, safe gate at -5,
+# V-first states), also bound positionally through inspect.signature(chunk_kda), at 0.006 against
+# FLA's gold (the float64 recurrence; beta = sigmoid(raw) * 2 with allow_neg_eigval). FLA also
+# asserts which backend ran; libkda has one. Sizes cut like the rest of this file.
+_FLASH_KDA_REQUIRED_KWARGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                  state_v_first=True)
+
+
+def _flash_kda_run(positional=False, **kwargs):
+    with torch.inference_mode():
+        if positional:
+            bound = inspect.signature(chunk_kda).bind(**kwargs, **_FLASH_KDA_REQUIRED_KWARGS)
+            bound.apply_defaults()
+            return chunk_kda(*bound.args, **bound.kwargs)
+        return chunk_kda(**kwargs, **_FLASH_KDA_REQUIRED_KWARGS)
+
+
+def _flash_kda_gold(q, k, v, g, beta_raw, A_log, dt_bias, scale, h0_vk, cu_seqlens=None, allow_neg_eigval=False):
+    """FLA's _flash_kda_gold in float64: V-first states in and out."""
+    gate = fla_naive_gate(g, A_log, dt_bias, -5.0)
+    beta = torch.sigmoid(beta_raw.to(F64)) * (2 if allow_neg_eigval else 1)
+    o, ht = recurrent_reference(F.normalize(q.to(F64), dim=-1), F.normalize(k.to(F64), dim=-1), v.to(F64), gate,
+                                beta, h0_vk.to(F64).transpose(-1, -2), cu_seqlens, scale)
+    return o, ht.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("B,T,H,D,allow_neg_eigval,has_A,has_bias,positional", [
+    pytest.param(1, 1024, 4, 128, False, True, True, False, id="dense"),
+    pytest.param(2, 2048, 8, 128, False, True, True, False, id="batched"),
+    pytest.param(1, 4096, 16, 128, False, True, True, False, id="long"),
+    pytest.param(1, 1024, 4, 128, True, True, True, False, id="negative-eigenvalues"),
+    pytest.param(1, 1024, 4, 128, False, False, True, False, id="no-A"),
+    pytest.param(1, 1024, 4, 128, False, True, False, False, id="no-bias"),
+    pytest.param(1, 1024, 4, 128, False, True, True, True, id="positional"),
+    pytest.param(1, 1024, 4, 128, True, True, True, True, id="positional-negative-eigenvalues"),
+])
+def test_flash_kda_chunk(B, T, H, D, allow_neg_eigval, has_A, has_bias, positional):
+    T, H = cap_t(T), cap_h(H)
+    torch.manual_seed(42)
+    dtype = torch.bfloat16
+    q, k, v = (torch.rand(B, T, H, D, dtype=dtype) for _ in range(3))
+    g = torch.randn(B, T, H, D, dtype=dtype)
+    beta = torch.randn(B, T, H, dtype=dtype)
+    A_log = torch.log(torch.empty(H, dtype=torch.float32).uniform_(1, 16))
+    dt_bias = torch.randn(H * D, dtype=torch.float32)
+    A_log, dt_bias = (A_log if has_A else None), (dt_bias if has_bias else None)
+    h0 = torch.randn(B, H, D, D, dtype=torch.float32)
+    scale = D ** -0.5
+    ref_o, ref_ht = _flash_kda_gold(q, k, v, g, beta, A_log, dt_bias, scale, h0, allow_neg_eigval=allow_neg_eigval)
+    tri_o, tri_ht = _flash_kda_run(positional=positional, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
+                                   dt_bias=dt_bias, scale=scale, initial_state=h0.clone(), output_final_state=True,
+                                   allow_neg_eigval=allow_neg_eigval)
+    fla_assert_close("o", ref_o, tri_o, 0.006)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.006)
+
+
+@pytest.mark.parametrize("H,D,cu,allow_neg_eigval,has_A,has_bias", [
+    pytest.param(4, 128, [0, 256, 500, 1000], False, True, True, id="varlen"),
+    pytest.param(8, 128, [0, 100, 300, 1200, 2000], False, True, True, id="multi-sequence"),
+    pytest.param(16, 128, [0, 101, 303, 1205, 3007, 4096], False, True, True, id="unaligned"),
+    pytest.param(4, 128, [0, 256, 500, 1000], True, True, True, id="negative-eigenvalues"),
+    pytest.param(4, 128, [0, 256, 500, 1000], False, False, True, id="no-A"),
+    pytest.param(4, 128, [0, 256, 500, 1000], False, True, False, id="no-bias"),
+])
+def test_flash_kda_chunk_varlen(H, D, cu, allow_neg_eigval, has_A, has_bias):
+    H = cap_h(H)
+    torch.manual_seed(42)
+    dtype = torch.bfloat16
+    cu = torch.LongTensor(_scaled_cu_seqlens(cu))
+    T, N = int(cu[-1]), len(cu) - 1
+    q, k, v, g = (torch.randn(1, T, H, D, dtype=dtype) for _ in range(4))
+    beta = torch.randn(1, T, H, dtype=dtype)
+    A_log = torch.log(torch.empty(H, dtype=torch.float32).uniform_(1, 16))
+    dt_bias = torch.randn(H * D, dtype=torch.float32)
+    A_log, dt_bias = (A_log if has_A else None), (dt_bias if has_bias else None)
+    h0 = torch.randn(N, H, D, D, dtype=torch.float32)
+    scale = D ** -0.5
+    ref_o, ref_ht = _flash_kda_gold(q, k, v, g, beta, A_log, dt_bias, scale, h0, cu_seqlens=cu,
+                                    allow_neg_eigval=allow_neg_eigval)
+    tri_o, tri_ht = _flash_kda_run(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                                   initial_state=h0.clone(), output_final_state=True, cu_seqlens=cu,
+                                   allow_neg_eigval=allow_neg_eigval)
+    fla_assert_close("o", ref_o, tri_o, 0.006)
+    fla_assert_close("ht", ref_ht, tri_ht, 0.006)
 
 
 # ------------------------------------------------------------------------------------------
@@ -596,3 +837,95 @@ def test_long_context_accumulation(T, store_dtype, request):
     if len(metrics) >= 4:
         m0, m2 = metrics[-4], metrics[-2]
         assert (m2[1] - m0[1]) / (m2[0] - m0[0]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# FLA's tests/ops/test_kda_graph.py captures chunk_kda(use_graph=True, max_num_seqs=4) forward +
+# backward in a CUDA graph and replays it on cu_seqlens whose tail sequences are empty
+# ("2seq_zerotail" [0, 512, 1024, 1024, 1024], "1seq_zerotail" [0, 1024, 1024, 1024, 1024]), over
+# its six (gate in kernel, safe gate, GVA) configurations, bf16. The capture is GPU-only; the call
+# and its results are not: here eager, each sequence cut to 256 tokens like the rest of this file.
+GRAPH_H, GRAPH_D, GRAPH_MAX_NUM_SEQS = 4, 64, 4
+GRAPH_CONFIGS = [  # (gate, safe_gate, hv)
+    pytest.param(False, False, GRAPH_H, id="default"),
+    pytest.param(False, True, GRAPH_H, id="safe_gate"),
+    pytest.param(True, False, GRAPH_H, id="gate_in_kernel"),
+    pytest.param(True, True, GRAPH_H, id="gate+safe_gate"),
+    pytest.param(False, False, 2 * GRAPH_H, id="gva_default"),
+    pytest.param(True, True, 2 * GRAPH_H, id="gva_gate+safe"),
+]
+GRAPH_ZERO_TAIL_LAYOUTS = [
+    pytest.param([0, 512, 1024, 1024, 1024], id="2seq_zerotail"),
+    pytest.param([0, 1024, 1024, 1024, 1024], id="1seq_zerotail"),
+]
+
+
+def graph_inputs(seed, gate, safe_gate, hv, T):
+    """test_kda_graph.py's _rand_inputs (T tokens, h0 / dht for GRAPH_MAX_NUM_SEQS sequences)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, D, dt = GRAPH_H, GRAPH_D, torch.bfloat16
+    q = torch.randn(1, T, H, D, dtype=dt, generator=gen)
+    k = F.normalize(torch.randn(1, T, H, D, dtype=torch.float32, generator=gen), p=2, dim=-1).to(dt)
+    v = torch.randn(1, T, hv, D, dtype=dt, generator=gen)
+    if gate:
+        g = torch.randn(1, T, hv, D, dtype=dt, generator=gen)
+        A_log = torch.log(torch.empty(1, 1, hv, 1).uniform_(1, 16, generator=gen))
+        dt_bias = torch.randn(hv * D, dtype=torch.float32, generator=gen)
+    else:
+        g = F.logsigmoid(torch.randn(1, T, hv, D, dtype=torch.float32, generator=gen))
+        if safe_gate:
+            g = g.clamp(-5, 0)
+        A_log = dt_bias = None
+    beta = torch.rand(1, T, hv, dtype=dt, generator=gen).sigmoid()
+    h0 = torch.randn(GRAPH_MAX_NUM_SEQS, hv, D, D, dtype=torch.float32, generator=gen)
+    do = torch.randn(1, T, hv, D, dtype=dt, generator=gen)
+    dht = torch.randn(GRAPH_MAX_NUM_SEQS, hv, D, D, dtype=torch.float32, generator=gen)
+    return (q, k, v, g, beta, h0, A_log, dt_bias), do, dht
+
+
+def graph_step(x, cu, gate, safe_gate, do, dht):
+    """The captured step of test_kda_graph.py, eagerly: chunk_kda(use_graph=True, max_num_seqs=4)
+    forward and backward. Returns (o, ht, grads of q, k, v, g, beta, h0, A_log, dt_bias)."""
+    q, k, v, g, beta, h0, A_log, dt_bias = x = leaves(*x)
+    o, ht = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                      use_gate_in_kernel=gate, safe_gate=safe_gate, lower_bound=(-5 if safe_gate else None),
+                      use_graph=True, max_num_seqs=GRAPH_MAX_NUM_SEQS,
+                      **(dict(A_log=A_log, dt_bias=dt_bias) if gate else {}))
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    return o, ht, grads(*x)
+
+
+@pytest.mark.parametrize("cu", GRAPH_ZERO_TAIL_LAYOUTS)
+@pytest.mark.parametrize("gate,safe_gate,hv", GRAPH_CONFIGS)
+def test_chunk_kda_graph_zero_length_tail_matches_fp64(gate, safe_gate, hv, cu):
+    """o, ht and every gradient with empty tail sequences, against the float64 recurrence at
+    test_chunk's bf16 bounds (FLA compares the graph with the eager path at 2e-3)."""
+    cu = torch.LongTensor(_scaled_cu_seqlens(cu))
+    x, do, dht = graph_inputs(0, gate, safe_gate, hv, int(cu[-1]))
+    tri, tri_ht, tri_g = graph_step(x, cu, gate, safe_gate, do, dht)
+
+    rq, rk, rv, rg, rb, rh0, rA, rbias = r = f64(*x)
+    gate_f64 = fla_naive_gate(rg, rA, rbias, -5.0 if safe_gate else None) if gate else rg
+    ref, ref_ht = recurrent_reference(rq, rk, rv, gate_f64, rb, rh0, cu)
+    ((ref * do.to(F64)).sum() + (ref_ht * dht.to(F64)).sum()).backward()
+    ref_g = grads(*r)
+
+    check_forward_and_grads((ref, ref_ht, ref_g), (tri, tri_ht, tri_g), (0.008, 0.008, 0.008, 0.02, 0.02, 0.008))
+    if gate:
+        fla_assert_close("dA", ref_g[6], tri_g[6], 0.02)  # test_chunk's bf16 bound (see there)
+        fla_assert_close("dbias", ref_g[7], tri_g[7], 0.008)
+
+
+@pytest.mark.parametrize("cu", GRAPH_ZERO_TAIL_LAYOUTS)
+@pytest.mark.parametrize("gate,safe_gate,hv", GRAPH_CONFIGS)
+def test_chunk_kda_graph_empty_sequence_passes_its_state_through(gate, safe_gate, hv, cu):
+    """An empty sequence's final state is its initial state and its dh0 is its dht, exactly."""
+    cu = torch.LongTensor(_scaled_cu_seqlens(cu))
+    x, do, dht = graph_inputs(0, gate, safe_gate, hv, int(cu[-1]))
+    _, ht, tri_g = graph_step(x, cu, gate, safe_gate, do, dht)
+    h0, dh0 = x[5], tri_g[5]
+    empty = [i for i in range(GRAPH_MAX_NUM_SEQS) if cu[i] == cu[i + 1]]
+    assert empty, "the layout has no empty sequence"
+    for i in empty:
+        assert torch.equal(ht[i], h0[i]), f"sequence {i} (empty): final state != initial state"
+        assert torch.equal(dh0[i], dht[i]), f"sequence {i} (empty): dh0 != dht"

@@ -1,10 +1,14 @@
-"""FlashKDA's public tests (MoonshotAI/FlashKDA tests/test_cpu.py, and tests/test_fwd.py's
-test_fwd_vs_fla / test_fwd_varlen_vs_fla cases cut to CPU sizes) on ``libkda.flash_kda``, the
-drop-in for the ``flash_kda`` package. test_cpu.py runs as written (float64 inputs: libkda's
-fp64 oracle, so gradcheck is exact). test_fwd.py compares FlashKDA's bf16 kernel with an fp64
-recurrence by FLA's rms error ratio (0.005); the reference here is the float64 token-by-token
-recurrence of libkda.torch, on float64 copies of the same inputs. Its other tests compare against
-FlashKDA's own CUDA reference within one bf16 ulp and need a GPU: not ported."""
+"""FlashKDA's public tests (MoonshotAI/FlashKDA tests/test_cpu.py, tests/test_fwd.py and
+tests/test_fwd_full.py, cut to CPU sizes) on ``libkda.flash_kda``, the drop-in for the
+``flash_kda`` package. test_cpu.py runs as written (float64 inputs: libkda's fp64 oracle, so
+gradcheck is exact). test_fwd.py's test_fwd_vs_fla / test_fwd_varlen_vs_fla compare FlashKDA's
+bf16 kernel with an fp64 recurrence by FLA's rms error ratio (0.005); the reference here is the
+float64 token-by-token recurrence of libkda.torch, on float64 copies of the same inputs. FlashKDA's
+test_fwd / test_fwd_varlen and test_fwd_full.py compare the kernel with its own CUDA torch_ref,
+bitwise or within one bf16 ulp; that reference needs a GPU, so their configurations (state in /
+out / neither in bf16 and fp32, arange initial states, tail lengths) are compared with the float64
+recurrence instead, at the same 0.005. test_fwd_full.py's test_fwd_long / test_fwd_long_varlen
+(up to 1M tokens) are not ported."""
 
 import math
 import os
@@ -12,6 +16,8 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from conftest import assert_close  # noqa: E402
 
 from libkda import flash_kda  # noqa: E402
 from libkda.torch import naive_recurrent_kda  # noqa: E402
@@ -239,3 +245,117 @@ def test_fwd_buffers_are_checked_and_bf16_states_round_trip():
     assert bool((bad == 7.0).all())
     with pytest.raises(ValueError, match="argument 'final_state'"):
         flash_kda.fwd(q, k, v, g, beta, D ** -0.5, out, A_log, dt_bias, -5.0, final_state=fs[:1])
+
+
+# ------------------------------------------------------------------------------------------
+# tests/test_fwd.py's test_fwd / test_fwd_varlen and tests/test_fwd_full.py: flash_kda.fwd over
+# state in / out / both / neither, bf16 and fp32 states, FlashKDA's arange initial states, odd
+# lengths; against the float64 recurrence at FLA's 0.005. The output and final-state buffers start
+# as NaN here (FlashKDA does that in test_fwd_varlen_all_tail_lengths), so every element must be
+# written. CI runs the configurations whose sequences are at most 512 tokens long, with at most 4
+# heads; KDA_LARGE_TESTS=1 all of them.
+D, LOWER_BOUND = 128, -5.0
+STATE_IO = [(True, True), (True, False), (False, True), (False, False)]
+STATE_IO_IDS = ["in+out", "in_only", "out_only", "no_state"]
+STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _ci(values, keep):
+    """FlashKDA's values; in CI those for which keep holds."""
+    return list(values) if LARGE else [x for x in values if keep(x)]
+
+
+def _make_fwd_inputs(B, T, H, seed=42):
+    """test_fwd_full.py's _make_inputs (and test_fwd.py's, seed 0), B rows."""
+    torch.manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, D), p=2, dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D), p=2, dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    g = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    beta = torch.randn(B, T, H, dtype=torch.bfloat16)
+    A_log = torch.rand(H, dtype=torch.float32)
+    dt_bias = torch.rand(H, D, dtype=torch.float32)
+    return q, k, v, g, beta, A_log, dt_bias, 1.0 / math.sqrt(D)
+
+
+def _make_state(shape, dtype):
+    """test_fwd_full.py's _make_state: arange, rounded to bf16, in dtype (large states)."""
+    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(torch.bfloat16).to(dtype)
+
+
+def _check_fwd(B, T, H, state_dtype, has_in, has_out, seq_lens=None, seed=42):
+    """flash_kda.fwd into NaN buffers, against _fp64_reference; o and the final state at 0.005."""
+    cu = None if seq_lens is None else torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist())
+    if cu is not None:
+        B, T = 1, int(cu[-1])
+    N = B if cu is None else len(seq_lens)
+    q, k, v, g, beta, A_log, dt_bias, scale = _make_fwd_inputs(B, T, H, seed)
+    h0 = _make_state((N, H, D, D), state_dtype) if has_in else None
+    final_state = torch.full((N, H, D, D), float("nan"), dtype=state_dtype) if has_out else None
+    out = torch.full_like(q, float("nan"))
+    flash_kda.fwd(q, k, v, g, beta, scale, out, A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND,
+                  initial_state=None if h0 is None else h0.clone(), final_state=final_state, cu_seqlens=cu)
+    ref, ref_ht = _fp64_reference(q, k, v, g, beta, torch.zeros(N, H, D, D) if h0 is None else h0, A_log, dt_bias,
+                                  scale, LOWER_BOUND, cu)
+    assert_close(out.double(), ref, 0.005, "o")
+    if has_out:
+        assert final_state.dtype == state_dtype
+        assert_close(final_state.double(), ref_ht, 0.005, "final_state")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["test_fwd", "test_fwd_varlen"])
+def test_fwd(varlen):
+    """test_fwd.py's test_fwd (B=1, T=8192, H=96) and test_fwd_varlen (seq_lens 1300, 547, 2048, 963,
+    271, 3063; H=96): seed 0, bf16 arange states in and out. CI: T = 512, lengths / 8, H = 4."""
+    H = 96 if LARGE else 4
+    if varlen:
+        seq_lens = [1300, 547, 2048, 963, 271, 3063]
+        _check_fwd(1, None, H, torch.bfloat16, True, True, seq_lens if LARGE else [n // 8 for n in seq_lens], seed=0)
+    else:
+        _check_fwd(1, 8192 if LARGE else 512, H, torch.bfloat16, True, True, seed=0)
+
+
+def _state_params(B, T, H):
+    """(state_dtype, has_in, has_out) for every state dtype and STATE_IO. (With bf16 state products
+    in the block that reads the initial state, (B, T, H) = (1, 64, 4), (1, 1024, 1), (1, 4096, 4)
+    and (2, 1024, 4) put o 5.8e-3 to 8.7e-3 from the float64 recurrence: the arange state makes the
+    first token's output one short cancelling sum; that block keeps fp32 products now.)"""
+    return [pytest.param(sd, has_in, has_out, id=f"{sd}-{io}") for sd in STATE_DTYPES
+            for (has_in, has_out), io in zip(STATE_IO, STATE_IO_IDS)]
+
+
+@pytest.mark.parametrize("T,H,state_dtype,has_in,has_out", [
+    pytest.param(T, H, *p.values, id=f"H{H}-T{T}-{p.id}")
+    for H in _ci([1, 4, 32, 96], lambda h: h <= 4)
+    for T in _ci([16, 64, 256, 1024, 4096, 8192, 17, 37, 97], lambda t: t <= 512)
+    for p in _state_params(1, T, H)])
+def test_fwd_fixed(T, H, state_dtype, has_in, has_out):
+    """test_fwd_full.py's test_fwd_fixed."""
+    _check_fwd(1, T, H, STATE_DTYPES[state_dtype], has_in, has_out)
+
+
+@pytest.mark.parametrize("has_in,has_out", STATE_IO, ids=STATE_IO_IDS)
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("seq_lens", _ci([[16], [16, 16], [4, 8, 12], [64, 128, 256], [1300, 547, 2048, 963, 271, 3063],
+                                          [1024] * 8, [20, 50, 100], [17, 33, 65]], lambda sl: max(sl) <= 512),
+                         ids=lambda sl: "seqs" + "_".join(map(str, sl)))
+@pytest.mark.parametrize("H", _ci([1, 4, 96], lambda h: h <= 4), ids=lambda h: f"H{h}")
+def test_fwd_varlen(seq_lens, H, state_dtype, has_in, has_out):
+    """test_fwd_full.py's test_fwd_varlen."""
+    _check_fwd(1, None, H, STATE_DTYPES[state_dtype], has_in, has_out, seq_lens)
+
+
+def test_fwd_varlen_all_tail_lengths():
+    """test_fwd_full.py: 15 sequences of 1 to 15 tokens (every partial 16-row tile at adjacent
+    boundaries), H=4, no states, the output buffer starting as NaN."""
+    _check_fwd(1, None, 4, torch.float32, False, False, list(range(1, 16)))
+
+
+@pytest.mark.parametrize("B,T,H,state_dtype,has_in,has_out", [
+    pytest.param(B, T, H, *p.values, id=f"H{H}-B{B}_T{T}-{p.id}")
+    for H in _ci([1, 4, 96], lambda h: h <= 4)
+    for B, T in _ci([(2, 64), (2, 1024), (4, 256), (8, 128)], lambda bt: bt[1] <= 512)
+    for p in _state_params(B, T, H)])
+def test_fwd_batched(B, T, H, state_dtype, has_in, has_out):
+    """test_fwd_full.py's test_fwd_batched: B > 1 equal-length rows without cu_seqlens."""
+    _check_fwd(B, T, H, STATE_DTYPES[state_dtype], has_in, has_out)

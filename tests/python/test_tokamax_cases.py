@@ -55,6 +55,7 @@ both gate forms).
 import dataclasses
 import functools
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -64,6 +65,7 @@ kj = pytest.importorskip("libkda.jax", reason="libkda.jax could not be imported"
 import jax.numpy as jnp  # noqa: E402
 
 kda_api = kj.kda  # Tokamax's batch-first tokamax/_src/ops/kda/api.py
+LARGE = os.environ.get("KDA_LARGE_TESTS") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -746,6 +748,290 @@ class TestXlaChunkedKimiDeltaAttentionTest:
         _assert_trees_all_close(actual, expected, atol=2e-3, rtol=2e-3)
         reference = _reference_grad(functools.partial(loss, "reference"), args, argnums=tuple(range(7)))
         _assert_trees_all_close(actual, reference, atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokamax/_src/ops/experimental/kda/pallas_tpu_test.py (974f1ad0): test_chunk_kda_forward, a
+# TPU-only test of the public api.kimi_delta_attention that runs each configuration through
+# implementation="pallas_tpu" and "xla" and compares them with compare_tensor (allclose at the
+# case's atol / rtol, else within one ulp). Here "pallas_tpu" runs libkda's kernels, so it is
+# compared with the float64 reference instead, at the same atol / rtol, called exactly as
+# _call_attention calls it (the older keywords A_log, dt_bias, N_max, safe_gate,
+# disable_recompute, chunk_size=64).
+# Ported: the 29 configurations whose shapes or options no other test here has (K != V,
+# K = 129 / V = 127, bf16 initial states, per-row segment layouts, N_max above the segment
+# count, trailing padding, lower_bound=-0.01, its padding_tail and empty_states checks); its other
+# 113 repeat these options at other sizes and dtypes (up to T = 32768) or need context
+# parallelism over several devices.
+# CI runs one case per option above (_PALLAS_TPU_CI); KDA_LARGE_TESTS=1 runs all 29.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _PallasTpuCase:
+    """pallas_tpu_test.py's TestConfig (the fields a forward case uses)."""
+
+    name: str
+    seq_len: int
+    heads: int
+    batch_size: int = 1
+    seq_lens: tuple = None
+    batch_seq_lens: tuple = None
+    n_max_override: int = None
+    key_dim: int = 128
+    value_dim: int = 128
+    dtype: object = jnp.bfloat16
+    input_profile: str = "model"
+    seed: int = 42
+    scale: float = None
+    gate_logit_normalizer: float = 1.0
+    gate_mask_probability: float = 0.0
+    use_initial_state: bool = False
+    output_final_state: bool = False
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    safe_gate: bool = True
+    lower_bound: float = None
+    disable_recompute: bool = True
+    forward_check: str = "reference"
+    forward_atol: float = 0.05
+    forward_rtol: float = 0.05
+    state_atol: float = None
+    state_rtol: float = None
+
+    @property
+    def layouts(self):
+        return self.batch_seq_lens if self.batch_seq_lens is not None else (
+            (self.seq_lens,) if self.seq_lens is not None else None)
+
+    @property
+    def batch(self):
+        return len(self.layouts) if self.layouts is not None else self.batch_size
+
+    @property
+    def n_max(self):
+        if self.layouts is None:
+            return None
+        return max(max(len(lens) for lens in self.layouts), self.n_max_override or 0)
+
+    @property
+    def effective_scale(self):
+        return self.scale if self.scale is not None else self.key_dim ** -0.5
+
+
+def _pallas_case(name, *, T, H, B=1, D=None, K=None, V=None, seq_lens=None, batch_seq_lens=None, **kwargs):
+    """make_test_config: the batch-first names."""
+    K = D if K is None else K
+    V = D if V is None else V
+    if batch_seq_lens is not None:
+        B = len(batch_seq_lens)
+    return _PallasTpuCase(name=name, seq_len=T, heads=H, batch_size=B, seq_lens=seq_lens,
+                          batch_seq_lens=batch_seq_lens, key_dim=K, value_dim=V, **kwargs)
+
+
+def _chunk_api_case(name, dtype=jnp.float32, has_h0=True, **cfg):
+    bf16 = dtype == jnp.bfloat16
+    return _pallas_case(f"chunk_api_{name}", dtype=dtype, input_profile="chunk_api", use_initial_state=has_h0,
+                        output_final_state=True, safe_gate=cfg.pop("safe_gate", False),
+                        disable_recompute=cfg.pop("disable_recompute", False), forward_atol=0.05 if bf16 else 5e-3,
+                        forward_rtol=0.05 if bf16 else 5e-3, **cfg)
+
+
+def _chunk_fwd_case(name, dtype=jnp.float32, **cfg):
+    bf16 = dtype == jnp.bfloat16
+    return _pallas_case(f"chunk_fwd_{name}", dtype=dtype, input_profile="chunk_fwd", safe_gate=False,
+                        disable_recompute=False, forward_atol=0.05 if bf16 else 2e-4,
+                        forward_rtol=0.05 if bf16 else 2e-4, use_initial_state=True, output_final_state=True, **cfg)
+
+
+def _varlen_case(name, *, seq_lens=None, batch_seq_lens=None, T=None, H=2, K=128, V=128, N_pad=None,
+                 dtype=jnp.float32, **kwargs):
+    T = T or max(sum(lens) for lens in (batch_seq_lens or (seq_lens,)))
+    bf16 = dtype == jnp.bfloat16
+    tol = dict(forward_atol=0.05 if bf16 else 5e-4, forward_rtol=0.05 if bf16 else 5e-4,
+               state_atol=0.05 if bf16 else 2e-3, state_rtol=0.05 if bf16 else 2e-3)
+    tol.update({n: kwargs.pop(n) for n in list(kwargs) if n in tol})
+    return _pallas_case(name, T=T, H=H, K=K, V=V, seq_lens=seq_lens, batch_seq_lens=batch_seq_lens,
+                        n_max_override=N_pad, dtype=dtype, output_final_state=True, **tol, **kwargs)
+
+
+_PROD = dict(safe_gate=True, disable_recompute=False, forward_atol=8e-4, forward_rtol=8e-4, state_atol=5e-3,
+             state_rtol=5e-3)
+_FUSED = dict(H=8, input_profile="prod", use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+              forward_atol=8e-4, forward_rtol=8e-4, state_atol=8e-3, state_rtol=8e-3)
+_PALLAS_TPU_CASES = [
+    _chunk_api_case("b2_t64_h4_k16_v32_fp32", B=2, T=64, H=4, K=16, V=32),
+    _chunk_api_case("b1_t128_h2_k128_v64_fp32", T=128, H=2, K=128, V=64),
+    _chunk_api_case("b1_t128_h2_k64_v128_fp32", T=128, H=2, K=64, V=128),
+    _chunk_api_case("b1_t128_h2_k128_v64_bf16", T=128, H=2, K=128, V=64, dtype=jnp.bfloat16),
+    _chunk_api_case("b1_t64_h2_d64_fp32_no_h0", T=64, H=2, D=64, has_h0=False),
+    _chunk_api_case("normalizer8_mask03", T=256, H=2, D=64, gate_logit_normalizer=8.0, gate_mask_probability=0.3),
+    _chunk_api_case("l2norm_in_kernel", T=256, H=2, D=64, scale=0.125, use_qk_l2norm_in_kernel=True),
+    _chunk_fwd_case("e2e_3", B=2, T=128, H=4, K=64, V=128),
+    _chunk_fwd_case("e2e_7", T=64, H=1, D=32, dtype=jnp.bfloat16),  # bf16 initial state
+    _chunk_fwd_case("e2e_8", T=128, H=2, D=64, dtype=jnp.bfloat16),  # bf16 initial state
+    _varlen_case("segment_ids_recurrent_2", seq_lens=(30, 50), T=128, disable_recompute=False),
+    _varlen_case("segment_ids_recurrent_5", seq_lens=(45, 80, 20), T=256, use_initial_state=True,
+                 disable_recompute=False),
+    _varlen_case("segment_ids_batch_2_fp32", batch_seq_lens=((64, 64), (128,), (64, 64)), disable_recompute=False),
+    _varlen_case("segment_ids_batch_3_fp32", batch_seq_lens=((30, 50), (45, 35)), disable_recompute=False),
+    _varlen_case("varlen_e2e_5", seq_lens=(64, 128), T=256, N_pad=8),
+    _varlen_case("varlen_e2e_10", seq_lens=(40, 55), T=256, N_pad=8, use_initial_state=True),
+    _varlen_case("varlen_e2e_18", seq_lens=(40, 55), T=256, N_pad=8, dtype=jnp.bfloat16, use_initial_state=True),
+    _varlen_case("varlen_batch_2", batch_seq_lens=((64, 128), (64, 64, 64)), use_initial_state=True),
+    _varlen_case("prod_preactivated_2", seq_lens=(30, 50), T=128, input_profile="prod", **_PROD),
+    _varlen_case("prod_preactivated_10", seq_lens=(64, 128), input_profile="low_gate", **_PROD),
+    _varlen_case("prod_preactivated_13", seq_lens=(64, 128), input_profile="strong_gate", **_PROD),
+    _varlen_case("segment_fused_fwd_3", seq_lens=(45, 80, 20), T=256, **_FUSED),
+    _varlen_case("segment_fused_batch_2", batch_seq_lens=((64, 128), (64, 64, 64)), use_initial_state=True,
+                 **_FUSED),
+    _varlen_case("tokamax_varlen_fused", seq_lens=(45, 80, 20), T=256, use_initial_state=True,
+                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-0.01, disable_recompute=False,
+                 forward_atol=0.05, forward_rtol=0.05, state_atol=0.05, state_rtol=0.05),
+    _pallas_case("tokamax_fixed_unaligned_kv", T=64, H=1, K=129, V=127, dtype=jnp.bfloat16),
+    _pallas_case("varlen_shallow_tail", T=256, H=2, D=128, seq_lens=(30, 50), dtype=jnp.float32),
+    _pallas_case("varlen_padding_tail", T=128, H=2, D=128, seq_lens=(30, 50), dtype=jnp.float32,
+                 forward_check="padding_tail"),
+    _varlen_case("varlen_empty_states_h0", seq_lens=(64, 128), T=256, N_pad=8, use_initial_state=True,
+                 forward_check="empty_states"),
+    _varlen_case("varlen_empty_states_no_h0", seq_lens=(64, 128), T=256, N_pad=8, forward_check="empty_states"),
+]
+
+_PALLAS_TPU_CI = {
+    "chunk_api_b2_t64_h4_k16_v32_fp32", "chunk_api_b1_t128_h2_k128_v64_bf16", "chunk_api_b1_t64_h2_d64_fp32_no_h0",
+    "chunk_api_normalizer8_mask03", "chunk_api_l2norm_in_kernel", "chunk_fwd_e2e_7", "segment_ids_batch_3_fp32",
+    "varlen_e2e_18", "varlen_batch_2", "prod_preactivated_2", "prod_preactivated_13", "segment_fused_fwd_3",
+    "tokamax_varlen_fused", "tokamax_fixed_unaligned_kv", "varlen_padding_tail", "varlen_empty_states_h0",
+    "varlen_empty_states_no_h0",
+}
+_PALLAS_TPU_PARAMS = [
+    pytest.param(case, id=case.name, marks=() if LARGE or case.name in _PALLAS_TPU_CI else
+                 pytest.mark.skip(reason="the same options as a CI case; KDA_LARGE_TESTS=1 runs it"))
+    for case in _PALLAS_TPU_CASES
+]
+
+
+def _pallas_tpu_inputs(case):
+    """pallas_tpu_test.py's _make_inputs: its distributions per input profile, drawn with numpy
+    (its jax.random draws compile for every shape, about a second a case on CPU). Returns q, k, v,
+    g, beta (head-first, in case.dtype), A_log, dt_bias, initial_state or None, segment_ids or None."""
+    rng = np.random.default_rng(case.seed)
+    qk_shape = (case.heads, case.batch, case.seq_len, case.key_dim)
+    v_shape = (case.heads, case.batch, case.seq_len, case.value_dim)
+    beta_shape = (case.heads, case.batch, case.seq_len)
+    uniform = lambda shape, lo=0.0, hi=1.0: rng.uniform(lo, hi, shape).astype(np.float32)  # noqa: E731
+    normal = lambda shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    sigmoid = lambda x: 0.5 + 0.5 * np.tanh(0.5 * x)  # noqa: E731  (no overflow)
+    softplus = lambda x: np.logaddexp(0, x)  # noqa: E731
+    segment_ids = None
+    valid = np.ones((case.batch, case.seq_len), bool)
+    if case.layouts is not None:
+        segment_ids = np.zeros((case.batch, case.seq_len), np.int32)
+        for b, lens in enumerate(case.layouts):
+            segment_ids[b, :sum(lens)] = np.repeat(np.arange(1, len(lens) + 1), lens)
+        valid = segment_ids > 0
+    profile = case.input_profile
+    if profile == "chunk_api":
+        q, k, v = uniform(qk_shape), uniform(qk_shape), uniform(v_shape)
+        if not case.use_qk_l2norm_in_kernel:
+            q, k = _l2_normalize(q), _l2_normalize(k)
+        g_raw = uniform(qk_shape)
+        A_log, dt_bias = normal((case.heads,)), normal((case.heads * case.key_dim,))
+        g = g_raw if case.use_gate_in_kernel else -softplus(-g_raw) / case.gate_logit_normalizer  # log_sigmoid
+        if case.safe_gate and not case.use_gate_in_kernel:
+            g = np.clip(g, -5.0, 0.0)
+        beta = sigmoid(normal(beta_shape))
+        initial_scale, initial_dtype = 1.0, jnp.float32
+    elif profile == "chunk_fwd":
+        q, k, v = 0.1 * normal(qk_shape), 0.1 * normal(qk_shape), 0.1 * normal(v_shape)
+        g = -0.05 * np.abs(normal(qk_shape))
+        beta = 0.5 * sigmoid(normal(beta_shape))
+        A_log, dt_bias = np.zeros(case.heads, np.float32), np.zeros(case.heads * case.key_dim, np.float32)
+        initial_scale, initial_dtype = 0.01, case.dtype
+    else:  # "model", "prod", "low_gate", "strong_gate"
+        silu = lambda x: x * sigmoid(x)  # noqa: E731
+        q, k = silu(normal(qk_shape)), silu(normal(qk_shape))
+        if not case.use_qk_l2norm_in_kernel:
+            q, k = _l2_normalize(jnp.asarray(q, case.dtype)), _l2_normalize(jnp.asarray(k, case.dtype))
+        v = {"strong_gate": 2.0, "prod": 1.5, "low_gate": 1.5}.get(profile, 1.0) * normal(v_shape)
+        if profile == "model":
+            A_log = np.log(uniform((case.heads,), 1.0, 16.0))
+            dt = np.exp(uniform((case.heads * case.key_dim,)) * (np.log(0.1) - np.log(0.001))
+                        + np.log(0.001)).clip(min=1e-4)
+            dt_bias = dt + np.log(-np.expm1(-dt))
+            g_raw, beta = normal(qk_shape), sigmoid(normal(beta_shape))
+        elif profile == "prod":
+            A_log, dt_bias = uniform((case.heads,), 0.2, 3.0), uniform((case.heads * case.key_dim,), -8.0, -1.5)
+            g_raw, beta = uniform(qk_shape, -4.5, 4.5), uniform(beta_shape, 0.05, 0.95)
+        elif profile == "low_gate":
+            A_log = np.full(case.heads, 2.5, np.float32)
+            dt_bias = np.full(case.heads * case.key_dim, -10.0, np.float32)
+            g_raw, beta = uniform(qk_shape, -1.0, 1.0), uniform(beta_shape, 0.3, 0.95)
+        else:
+            A_log = np.full(case.heads, 2.7, np.float32)
+            dt_bias = np.full(case.heads * case.key_dim, -2.0, np.float32)
+            g_raw, beta = uniform(qk_shape, 2.0, 4.5), uniform(beta_shape, 0.05, 0.95)
+        if case.use_gate_in_kernel:
+            g = g_raw
+        else:
+            gate_input = g_raw + dt_bias.reshape(case.heads, 1, 1, case.key_dim)
+            A = np.exp(A_log).reshape(case.heads, 1, 1, 1)
+            g = -5.0 * sigmoid(A * gate_input) if profile != "model" else -A * softplus(gate_input)
+        initial_scale, initial_dtype = 0.1, jnp.float32
+    if case.gate_mask_probability > 0:
+        g = g * (uniform(qk_shape) > case.gate_mask_probability)
+    q, k, v, g = (jnp.asarray(np.where(valid[None, :, :, None], np.asarray(x, np.float32), 0), case.dtype)
+                  for x in (q, k, v, g))
+    beta = jnp.asarray(np.where(valid[None], beta, 0), case.dtype)
+    initial_state = None
+    if case.use_initial_state:
+        shape = (case.batch, case.n_max or 1, case.heads, case.key_dim, case.value_dim)
+        initial_state = np.asarray(initial_scale * normal(shape), jnp.dtype(initial_dtype))
+        if case.forward_check == "empty_states":
+            for b, lens in enumerate(case.layouts):
+                initial_state[b, len(lens):] = np.arange(len(lens), case.n_max)[:, None, None, None] + 1.0
+        initial_state = jnp.asarray(initial_state)
+    if case.forward_check == "padding_tail":
+        q, k, v = q.at[:, 0, 0].set(10.0), k.at[:, 0, 0].set(5.0), v.at[:, 0, 0].set(3.0)
+    return (q, k, v, g, beta, jnp.asarray(A_log, jnp.float32), jnp.asarray(dt_bias, jnp.float32), initial_state,
+            None if segment_ids is None else jnp.asarray(segment_ids))
+
+
+class TestPallasTpuTest:
+    """tokamax/_src/ops/experimental/kda/pallas_tpu_test.py (974f1ad0)."""
+
+    @pytest.mark.parametrize("case", _PALLAS_TPU_PARAMS)
+    def test_chunk_kda_forward(self, case):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, segment_ids = _pallas_tpu_inputs(case)
+        gate_params = dict(A_log=A_log, dt_bias=dt_bias) if case.use_gate_in_kernel else dict(A_log=None, dt_bias=None)
+        output, final_state = kj.kimi_delta_attention(
+            q, k, v, g, beta, segment_ids=segment_ids, cp_context=None, implementation="pallas_tpu", **gate_params,
+            scale=case.effective_scale, initial_state=initial_state, output_final_state=case.output_final_state,
+            use_qk_l2norm_in_kernel=case.use_qk_l2norm_in_kernel, use_gate_in_kernel=case.use_gate_in_kernel,
+            safe_gate=case.safe_gate, lower_bound=case.lower_bound, disable_recompute=case.disable_recompute,
+            chunk_size=64, N_max=case.n_max)
+        ref_output, ref_final_state = _run_reference(
+            q, k, v, g, beta, a_log=gate_params["A_log"], delta_time_bias=gate_params["dt_bias"],
+            scale=case.effective_scale, initial_state=initial_state, output_final_state=case.output_final_state,
+            use_qk_l2norm=case.use_qk_l2norm_in_kernel, use_gate_in_kernel=case.use_gate_in_kernel,
+            segment_ids=segment_ids, lower_bound=case.lower_bound, max_num_segments=case.n_max)
+
+        _assert_trees_all_close(output, ref_output, atol=case.forward_atol, rtol=case.forward_rtol)
+        _assert_trees_all_close(final_state, ref_final_state,
+                                atol=case.forward_atol if case.state_atol is None else case.state_atol,
+                                rtol=case.forward_rtol if case.state_rtol is None else case.state_rtol)
+        if case.forward_check == "padding_tail":
+            # The padding's outputs are not token 0's (which q = 10, k = 5, v = 3 makes large).
+            padding = np.asarray(output[:, 0, sum(case.layouts[0]):], np.float64)
+            token_zero = np.asarray(output[:, 0, :1], np.float64)
+            assert np.max(np.abs(padding - token_zero)) > 1e-3
+            assert np.max(np.abs(padding)) < 50.0
+        elif case.forward_check == "empty_states":
+            for b, lens in enumerate(case.layouts):
+                for s in range(len(lens), case.n_max):  # untouched slots keep their initial state
+                    expected = (np.asarray(initial_state[b, s]) if initial_state is not None
+                                else np.zeros(final_state.shape[-3:]))
+                    _assert_trees_all_close(final_state[b, s], expected, atol=0.01, rtol=0.0)
+                assert np.isfinite(np.asarray(final_state[b, :len(lens)])).all()
 
 
 # ---------------------------------------------------------------------------------------------
