@@ -1,9 +1,12 @@
 // Argument validation and segment planning for the forward (SPEC.md 1.1-1.3).
 // Every message names the argument, what was expected and what was given. Nothing is written
 // to any output before this has succeeded.
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -76,6 +79,23 @@ Status check_writable(const char* name, const TensorView& t) {
       return fail("argument '", name, "': output has a zero (broadcast) stride on dim ", i, " of shape ", t.shape_str(),
                   "; outputs need distinct elements");
     }
+  }
+  // Distinct elements: each dim's stride (by size) must step past everything the smaller-stride
+  // dims span. Conservative: an interleaving of dims that happens not to collide is refused too.
+  std::array<std::pair<std::int64_t, std::int64_t>, kMaxDims> dims{};  // (|stride|, size) of dims of size > 1
+  int nd = 0;
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 1) dims[nd++] = {t.strides[i] < 0 ? -t.strides[i] : t.strides[i], t.shape[i]};
+  std::sort(dims.begin(), dims.begin() + nd);
+  std::int64_t span = 1;  // elements covered by the dims so far
+  for (int i = 0; i < nd; ++i) {
+    if (dims[i].first < span) {
+      std::string strides = "[";
+      for (int j = 0; j < t.ndim; ++j) strides += (j ? ", " : "") + std::to_string(t.strides[j]);
+      return fail("argument '", name, "': output elements overlap in memory (shape ", t.shape_str(), ", strides ",
+                  strides, "]); outputs need distinct elements");
+    }
+    span = dims[i].first * (dims[i].second - 1) + span;
   }
   return {};
 }
@@ -557,7 +577,9 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
                     " at row ", n, per_token ? ", token " + std::to_string(t) : std::string());
       }
     }
-    const std::int64_t read = index_at(n, first);
+    // No tokens (T = 0): nothing read, nothing written, as for a padding row ([N, 0] indices
+    // have no entry to read).
+    const std::int64_t read = p.T == 0 ? -1 : index_at(n, first);
     if (read < 0) continue;  // padding row: nothing read, nothing written
     p.decode_read[n] = read;
     for (std::int64_t t = 0; t < p.T; ++t) {

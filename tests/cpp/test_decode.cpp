@@ -128,6 +128,27 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   EXPECT_NE(after[6 * slot], before[6 * slot]) << "row 1 writes slot 6 after token 0";
 }
 
+// No tokens (T = 0), with [N] or [N, 0] slot indices: a valid call that reads and writes nothing.
+TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
+  for (const bool per_token : {false, true}) {
+    DecodeCase dc;
+    dc.c.B = 2, dc.c.T = 0, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 16, dc.c.V = 16;
+    dc.slots = 4;
+    dc.idx = per_token ? std::vector<std::int64_t>{} : std::vector<std::int64_t>{3, 1};
+    DecodeData d = make_decode_data(dc);
+    const std::vector<double> before = d.pool.to_double();
+    HostTensor o(DType::kF32, {2, 0, 2, 16}), idx, acc;
+    DecodeParams p = make_decode_params(dc, d, o, idx, acc);
+    if (per_token) {
+      idx = HostTensor(DType::kI64, {2, 0});
+      p.slot_indices = idx.view;
+    }
+    const Status s = decode(p);
+    ASSERT_TRUE(s.ok()) << (per_token ? "[N, 0]: " : "[N]: ") << s.message();
+    EXPECT_EQ(d.pool.to_double(), before) << "the pool was written";
+  }
+}
+
 // Draft tokens' states written to their own slots go past the caches where the pool's lines are
 // 64-byte aligned and through plain stores where they are not: the same bits either way, and the
 // oracle's values.

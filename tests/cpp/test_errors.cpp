@@ -54,6 +54,9 @@ std::vector<ErrorCase> error_cases() {
        false,
        true},
       {"o_broadcast", [](ForwardParams& p, Inputs&) { p.o.strides[1] = 0; }, {"'o'", "zero (broadcast) stride"}},
+      {"o_overlapping_rows",  // [1, 20, 4, 24]: consecutive tokens' rows share 48 of their 96 floats
+       [](ForwardParams& p, Inputs&) { p.o.strides[1] = 48; },
+       {"'o'", "overlap in memory", "strides [1920, 48, 24, 1]"}},
       {"null_data", [](ForwardParams& p, Inputs&) { p.v.data = nullptr; }, {"'v'", "null"}},
       {"chunk_size",
        [](ForwardParams& p, Inputs&) { p.options.chunk_size = 48; },
