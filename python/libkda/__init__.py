@@ -18,6 +18,7 @@ kimi_delta_attention) import torch / jax on demand; `import libkda` needs neithe
 
 from __future__ import annotations
 
+import math
 import ml_dtypes
 import numpy as np
 
@@ -118,6 +119,17 @@ def _dims(x, n):
     return isinstance(x, np.ndarray) and x.ndim == n
 
 
+def _opt_float(name, x):
+    """A float option, None when not given. NaN is refused: the kernels read NaN as "not given"
+    (scale None = K^-0.5, lower_bound None = no lower bound), so a NaN must not pass for either."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        raise ValueError(f"kda: argument '{name}': expected a number or None, got nan")
+    return x
+
+
 def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             cu_seqlens, segment_ids, max_num_segments, state_v_first, chunk_size, path, num_threads,
@@ -131,10 +143,10 @@ def _inputs(oracle, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_
         initial_state=_wrap("initial_state", initial_state, _FLOAT_CODES, fl),
         initial_state_indices=_wrap("initial_state_indices", initial_state_indices, _INT_CODES, "int32 or int64"),
         max_num_segments=0 if max_num_segments is None else int(max_num_segments),
-        scale=None if scale is None else float(scale),
+        scale=_opt_float("scale", scale),
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         use_gate_in_kernel=bool(use_gate_in_kernel),
-        lower_bound=None if lower_bound is None else float(lower_bound),
+        lower_bound=_opt_float("lower_bound", lower_bound),
         use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
         allow_neg_eigval=bool(allow_neg_eigval),
         chunk_size=int(chunk_size),
@@ -447,10 +459,10 @@ def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_token
         **_wrap_token_inputs(q, k, v, g, beta, A_log, dt_bias, fl),
         slot_indices=_wrap("slot_indices", slot_indices, _INT_CODES, ints, optional=False),
         num_accepted_tokens=_wrap("num_accepted_tokens", num_accepted_tokens, _INT_CODES, ints),
-        scale=None if scale is None else float(scale),
+        scale=_opt_float("scale", scale),
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         use_gate_in_kernel=bool(use_gate_in_kernel),
-        lower_bound=None if lower_bound is None else float(lower_bound),
+        lower_bound=_opt_float("lower_bound", lower_bound),
         use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
         allow_neg_eigval=bool(allow_neg_eigval),
         state_v_first=bool(state_v_first),

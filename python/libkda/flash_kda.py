@@ -41,14 +41,26 @@ def has_cuda_extension() -> bool:
 
 
 def _check_buffer(name, buf, shape):
-    if buf is not None and tuple(buf.shape) != tuple(shape):
+    """An output buffer, checked before anything is computed: the shape, a floating dtype, and
+    distinct elements (a broadcast view cannot be written), so an error writes nothing."""
+    if buf is None:
+        raise ValueError(f"flash_kda.fwd: argument '{name}': expected a tensor of shape {list(shape)}, got None")
+    if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"flash_kda.fwd: argument '{name}': expected shape {list(shape)}, got {list(buf.shape)}")
+    if not buf.is_floating_point():
+        raise ValueError(f"flash_kda.fwd: argument '{name}': expected a floating dtype, got {buf.dtype}")
+    if any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
+        raise ValueError(f"flash_kda.fwd: argument '{name}': a broadcast view (strides {list(buf.stride())}) "
+                         "cannot be written; outputs need distinct elements")
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None):
     """FlashKDA's forward: writes o into ``out`` and, when given, the final states (V-first) into
     ``final_state``, in that buffer's dtype. Returns None, as FlashKDA does."""
+    for name, x in (("q", q), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"flash_kda.fwd: argument '{name}': expected shape [B, T, H, D], got {list(x.shape)}")
     _check_buffer("out", out, v.shape)
     if final_state is not None:
         n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1

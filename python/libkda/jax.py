@@ -18,6 +18,7 @@ Only the CPU platform is registered (there is no CUDA backend yet).
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import types
 from typing import NamedTuple
@@ -272,6 +273,16 @@ class ShapeError(*_SHAPE_ERROR_BASES):
     newer, jaxtyped ``bind``), so tests of either version catch it."""
 
 
+def _opt_float(name, x):
+    """A float option, None when not given; NaN is refused (the FFI reads NaN as "not given")."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        raise ValueError(f"kda: argument '{name}': expected a number or None, got nan")
+    return x
+
+
 def _implementations(implementation, accepted, only_xla=False):
     """The entries of ``implementation`` up to and including the first one libkda runs, walked as
     Tokamax walks them: a callable is tried (the caller falls through to the next entry when it
@@ -395,6 +406,10 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
                          f"{tuple(value.shape)}.")
     H, B, T, K = query.shape
     HV, V = value.shape[0], value.shape[3]
+    for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
+        if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating):
+            raise ValueError(f"kda: argument '{name}': expected a floating dtype (float32, bfloat16, float16 or "
+                             f"float64), got {x.dtype if hasattr(x, 'dtype') else type(x).__name__}")
     if tuple(key.shape) != (H, B, T, K):
         raise ShapeError(f"`k` shape {tuple(key.shape)} must match `q` shape {tuple(query.shape)} "
                          "(argument 'key', head-first [H, B, T, K]).")
@@ -447,7 +462,9 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
                              "`initial_state` (in Tokamax's older API: `N_max` is required).")
         num_states = int(max_num_segments)
         segment_ids = jnp.asarray(segment_ids)
-        if segment_ids.dtype != jnp.int32:
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):  # a float id would truncate silently
+            raise ValueError(f"kda: argument 'segment_ids': expected an integer dtype, got {segment_ids.dtype}")
+        if segment_ids.dtype != jnp.int32:  # int64 under x64: ids are < 2^31 (they count segments)
             segment_ids = segment_ids.astype(jnp.int32)
     if use_gate_in_kernel:
         if a_log is None:
@@ -581,8 +598,8 @@ def kimi_delta_attention(
              | (0 if bool(a["bf16_dot_products"]) else _FP32_PRODUCTS))
     oracle = jax.dtypes.canonicalize_dtype(query.dtype) == jnp.float64
     cfg = _Config(
-        scale=None if a["scale"] is None else float(a["scale"]),
-        lower_bound=None if a["lower_bound"] is None else float(a["lower_bound"]),
+        scale=_opt_float("scale", a["scale"]),
+        lower_bound=_opt_float("lower_bound", a["lower_bound"]),
         flags=flags,
         chunk_size=int(a["chunk_size"]),
         num_states=a["num_states"],

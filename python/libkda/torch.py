@@ -25,6 +25,7 @@ tests. See docs/PYTHON.md for the mapping to FLA and the limitations.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -59,8 +60,15 @@ def _desc(t):
     return (t.data_ptr(), _CODES.get(t.dtype, -1), t.shape, t.stride())
 
 
-def _f(x):
-    return _NAN if x is None else float(x)
+def _f(x, name):
+    """A float option for the raw ops, NaN when not given (scale: K^-0.5; lower_bound: none), so
+    a caller's NaN is refused rather than read as "not given"."""
+    if x is None:
+        return _NAN
+    x = float(x)
+    if math.isnan(x):
+        raise ValueError(f"kda: argument '{name}': expected a number or None, got nan")
+    return x
 
 
 def _state_shape(B, N_or_none, HV, K, V, flags):
@@ -116,6 +124,8 @@ def _fwd_shapes(q, v, cu_seqlens, flags, chunk_size, output_final_state, save_st
     with FLA's disable_recompute=True, as FLA does."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if chunk_size not in (16, 32, 64):  # the kernels' own check comes after these shapes are sized
+        raise ValueError(f"kda: argument 'chunk_size': expected 64, 32 or 16, got {chunk_size}")
     oracle = q.dtype == torch.float64
     state_dtype = torch.float64 if oracle else torch.float32
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -147,7 +157,7 @@ def _chunk_kda_fwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqle
          _desc(dt_bias), _desc(cu_seqlens), None, _desc(initial_state),
          None, _desc(o), _desc(fs) if output_final_state else None,
          _desc(cs) if save_states else None, _desc(vn) if save_v_new else None),
-        0, _f(scale), _f(lower_bound), flags, chunk_size, 0, 0)
+        0, _f(scale, "scale"), _f(lower_bound, "lower_bound"), flags, chunk_size, 0, 0)
     if save_states and nc < cs.shape[0]:
         cs[nc:].zero_()  # the capacity's unused tail: deterministic contents
     return o, fs, cs, vn
@@ -202,7 +212,7 @@ def _chunk_kda_bwd_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqle
          _desc(dh0) if initial_state is not None else None,
          _desc(dA) if (gate and A_log is not None) else None,
          _desc(ddt) if (gate and dt_bias is not None) else None),
-        0, _f(scale), _f(lower_bound), flags, chunk_size, 0, 0)
+        0, _f(scale, "scale"), _f(lower_bound, "lower_bound"), flags, chunk_size, 0, 0)
     return dq, dk, dv, dg, dbeta, dh0, dA, ddt
 
 
@@ -221,7 +231,7 @@ def _decode_cpu(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, num_
         (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(A_log),
          _desc(dt_bias), _desc(state_pool), _desc(slot_indices),
          _desc(num_accepted_tokens), _desc(o)),
-        _f(scale), _f(lower_bound), flags, 0)
+        _f(scale, "scale"), _f(lower_bound, "lower_bound"), flags, 0)
     return o
 
 
@@ -360,12 +370,31 @@ def _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kern
             | (_V_FIRST if state_v_first else 0))
 
 
-def _check_cpu(q):
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            f"libkda.torch: inputs on device '{q.device}' are not supported -- libkda has a CPU backend only "
-            f"(no CUDA backend yet). Move the inputs to the CPU or use fla.ops.kda on the GPU."
-        )
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_dtypes(ints=(), **tensors):
+    """Each tensor's dtype before it reaches the raw ops (which know only a code for "unsupported"):
+    the names in `ints` int32 / int64, the others float32, bfloat16, float16 or float64."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if name in ints and t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"kda: argument '{name}': expected dtype int32 or int64, got {t.dtype}")
+        if name not in ints and t.dtype not in _FLOATS:
+            raise ValueError(f"kda: argument '{name}': expected dtype float32, bfloat16, float16 or float64, got "
+                             f"{t.dtype}")
+
+
+def _check_cpu(**tensors):
+    """Every tensor argument on the CPU: one elsewhere (CUDA, or a meta tensor beside CPU ones)
+    would otherwise reach the kernels' shape-only path and come back as uninitialized output."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise NotImplementedError(
+                f"libkda.torch: argument '{name}' is on device '{t.device}', which is not supported -- libkda has "
+                f"a CPU backend only (no CUDA backend yet). Move the inputs to the CPU or use fla.ops.kda on the GPU."
+            )
 
 
 def _state_v_first_kwarg(state_v_first, kwargs):
@@ -446,7 +475,10 @@ def chunk_kda(
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
     if cp_context is not None:
         raise NotImplementedError("libkda.torch.chunk_kda: context parallelism (cp_context) is not supported")
-    _check_cpu(q)
+    gate_params = dict(A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"))
+    _check_cpu(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **gate_params)
+    _check_dtypes(("cu_seqlens",), q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, **gate_params)
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(
@@ -585,6 +617,18 @@ def fused_recurrent_kda(
     return o, fs
 
 
+def _check_out(out, v, name="out"):
+    """``out`` (FLA's decode output buffer), checked before anything is computed or written: a
+    floating tensor with o's element count (o has v's shape); it receives a copy of o."""
+    if out is None:
+        return
+    if not out.is_floating_point():
+        raise ValueError(f"kda: argument '{name}': expected a floating tensor for o, got {out.dtype}")
+    if out.numel() != v.numel():
+        raise ValueError(f"kda: argument '{name}': expected {v.numel()} elements (o's shape {list(v.shape)}), "
+                         f"got shape {list(out.shape)}")
+
+
 def fused_recurrent_kda_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -631,6 +675,7 @@ def fused_recurrent_kda_fwd(
     """
     state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
     beta = _recurrent_beta(beta, q, v, use_beta_sigmoid_in_kernel, "fused_recurrent_kda_fwd")
+    _check_out(out, v)
     if inplace_final_state and initial_state is None:
         # FLA's `assert initial_state is not None` (an AssertionError also under python -O).
         raise AssertionError("fused_recurrent_kda_fwd: inplace_final_state=True (the default) writes the final "
@@ -681,6 +726,33 @@ def fused_recurrent_kda_fwd(
     return o, initial_state
 
 
+def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
+    """kda::decode's index contract, for the out-of-place path that does not call it: int indices
+    [N] or [N, T] below `slots` (negative: padding), num_accepted_tokens [N] in [1, T] and only
+    with [N, T] indices."""
+    name = "ssm_state_indices"
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kda: argument '{name}': expected dtype int32 or int64, got {indices.dtype}")
+    if tuple(indices.shape) not in ((n,), (n, t)):
+        raise ValueError(f"kda: argument '{name}': expected shape [N] = [{n}] or [N, T] = [{n}, {t}], got "
+                         f"{list(indices.shape)}")
+    if indices.numel() and int(indices.max()) >= slots:
+        bad = int(indices.max())
+        raise ValueError(f"kda: argument '{name}': expected indices < slots = {slots} (negative = padding), got {bad}")
+    if num_accepted_tokens is None:
+        return
+    if indices.dim() != 2:
+        raise ValueError(f"kda: argument 'num_accepted_tokens': needs {name} of shape [N, T], got "
+                         f"{list(indices.shape)}")
+    if num_accepted_tokens.dtype not in (torch.int32, torch.int64) or tuple(num_accepted_tokens.shape) != (n,):
+        raise ValueError(f"kda: argument 'num_accepted_tokens': expected an int32 or int64 tensor of shape [N] = "
+                         f"[{n}], got {num_accepted_tokens.dtype} of shape {list(num_accepted_tokens.shape)}")
+    if n and (int(num_accepted_tokens.min()) < 1 or int(num_accepted_tokens.max()) > t):
+        lo, hi = int(num_accepted_tokens.min()), int(num_accepted_tokens.max())
+        raise ValueError(f"kda: argument 'num_accepted_tokens': expected values in [1, T = {t}], got values in "
+                         f"[{lo}, {hi}]")
+
+
 def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
     """FLA's ``inplace_final_state=False`` with ``ssm_state_indices``: sequence n starts from the
     slot it would read (``indices[n]``, ``indices[n, 0]`` or ``indices[n, num_accepted_tokens[n] - 1]``;
@@ -693,6 +765,7 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
         t = q.shape[1] // max(n, 1)
         q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
     n, t = q.shape[0], q.shape[1]
+    _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
     if indices.dim() == 1:
         read = indices.to(torch.int64)
     elif num_accepted_tokens is not None:
@@ -726,20 +799,30 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     """Decode against a state pool (libkda::decode, kda::decode): updates ``state_pool`` in place
     and returns o in q's layout (``[N, T, HV, V]``, or ``[1, N * T, HV, V]`` with ``cu_seqlens``).
     See ``fused_recurrent_kda_fwd`` for the index contract. Not differentiable."""
-    _check_cpu(q)
+    _check_cpu(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, ssm_state_indices=ssm_state_indices,
+               num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+    _check_dtypes(("ssm_state_indices", "num_accepted_tokens", "cu_seqlens"), q=q, k=k, v=v, g=g, beta=beta,
+                  state_pool=state_pool, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                  A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     packed = cu_seqlens is not None
     if packed:
         # [1, N * T, ...] with equal-length segments is [N, T, ...]: a view, no copy.
         if q.shape[0] != 1:
             raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise ValueError(f"kda: argument 'cu_seqlens': expected a 1-D int32 or int64 tensor, got "
+                             f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
         n = cu_seqlens.shape[0] - 1
         total = q.shape[1]
         t = total // n if n > 0 else 0
         if n <= 0 or t * n != total or not torch.equal(
                 cu_seqlens, torch.arange(0, total + 1, max(t, 1), dtype=cu_seqlens.dtype, device=cu_seqlens.device)):
+            shown = cu_seqlens.tolist()
             raise NotImplementedError(
                 "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens "
-                "(cu_seqlens = [0, T, 2T, ...]); use chunk_kda with initial states for ragged prefill")
+                f"(cu_seqlens = [0, T, 2T, ..., {total}] for {total} tokens), got "
+                f"{shown if len(shown) <= 8 else shown[:8] + ['...']}; use chunk_kda with initial states for "
+                "ragged prefill")
         q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
