@@ -89,8 +89,10 @@ def torch_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               return_intermediate_states=False, cp_context=None, chunk_size=64, use_cpp_backend=None, **kwargs):
     """FlashKDA's ``torch_kda`` (flash_kda/torch_backend.py): FLA's ``chunk_kda`` conventions,
     differentiable, on libkda's kernels. Its errors: unknown keywords TypeError,
-    ``return_intermediate_states`` / ``cp_context`` ValueError; ``l2norm_eps`` other than 1e-6
-    raises ValueError (libkda's l2norm uses 1e-6, SPEC.md 1.3)."""
+    ``return_intermediate_states`` / ``cp_context`` ValueError. ``l2norm_eps`` other than the
+    kernels' 1e-6 (SPEC.md 1.3): q and k are normalized here, as FlashKDA does
+    (``x * rsqrt(sum(x^2) + eps)`` in float32, float64 for float64 inputs, differentiable), and the
+    kernel runs without its own l2norm (on float32 q / k, so with fp32 state products)."""
     del use_cpp_backend, safe_gate
     if kwargs:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(kwargs))}")
@@ -99,7 +101,12 @@ def torch_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if cp_context is not None:
         raise ValueError("context parallelism is not supported by the PyTorch backend")
     if use_qk_l2norm_in_kernel and float(l2norm_eps) != 1e-6:
-        raise ValueError(f"torch_kda: argument 'l2norm_eps': libkda's l2norm uses 1e-6, got {l2norm_eps}")
+        eps = float(l2norm_eps)
+        if not eps >= 0.0:
+            raise ValueError(f"torch_kda: argument 'l2norm_eps': expected a number >= 0, got {l2norm_eps}")
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q, k = (x.to(ct) * torch.rsqrt(x.to(ct).square().sum(dim=-1, keepdim=True) + eps) for x in (q, k))
+        use_qk_l2norm_in_kernel = False
     if use_gate_in_kernel and A_log is None:
         raise ValueError("A_log is required when use_gate_in_kernel=True")
     if cu_seqlens is None and cu_seqlens_cpu is not None:

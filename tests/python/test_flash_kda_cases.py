@@ -102,6 +102,26 @@ def test_cpp_backend_matches_pytorch_forward_and_gradients():
         torch.testing.assert_close(cpp_gradient, torch_gradient)
 
 
+def test_torch_kda_l2norm_eps_other_than_the_kernels():
+    """FlashKDA's torch_kda takes any l2norm_eps (x * rsqrt(sum(x^2) + eps)); libkda normalizes q
+    and k itself then and runs the kernel without its 1e-6 l2norm: the same as normalizing outside,
+    different from eps = 1e-6, and differentiable through the normalization."""
+    q, k, v, g, beta, A_log, dt_bias = _make_inputs(batch=1, sequence_length=6, key_dim=4, value_dim=3)
+    eps = 0.5
+    norm = lambda x: x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)  # noqa: E731
+    got, got_s = _run((q, k, v, g, beta, A_log, dt_bias), l2norm_eps=eps)
+    want, want_s = flash_kda.torch_kda(q=norm(q), k=norm(k), v=v, g=g, beta=beta, scale=0.5, output_final_state=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
+                                       A_log=A_log, dt_bias=dt_bias)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_s, want_s, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, _run((q, k, v, g, beta, A_log, dt_bias))[0], rtol=1e-3)
+    assert torch.autograd.gradcheck(lambda q_, k_: _run((q_, k_, v, g, beta, A_log, dt_bias), l2norm_eps=eps)[0],
+                                    (q, k), fast_mode=True)
+    with pytest.raises(ValueError, match=r"'l2norm_eps'.*>= 0, got -1"):
+        _run((q, k, v, g, beta, A_log, dt_bias), l2norm_eps=-1.0)
+
+
 def test_torch_kda_cpu_supports_fla_gate_and_grouped_value_heads():
     inputs = _make_inputs(batch=1, query_heads=1, value_heads=2, key_dim=3, value_dim=2)
     q, k, v, g, beta, A_log, dt_bias = inputs
