@@ -1,7 +1,6 @@
 // Argument validation and segment planning for the forward (SPEC.md 1.1-1.3).
 // Every message names the argument, what was expected and what was given. Nothing is written
 // to any output before this has succeeded.
-#include <algorithm>
 #include <array>
 #include <cmath>
 #include <sstream>
@@ -86,7 +85,8 @@ Status check_writable(const char* name, const TensorView& t) {
   int nd = 0;
   for (int i = 0; i < t.ndim; ++i)
     if (t.shape[i] > 1) dims[nd++] = {t.strides[i] < 0 ? -t.strides[i] : t.strides[i], t.shape[i]};
-  std::sort(dims.begin(), dims.begin() + nd);
+  for (int i = 1; i < nd; ++i)  // insertion sort of at most kMaxDims entries
+    for (int j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
   std::int64_t span = 1;  // elements covered by the dims so far
   for (int i = 0; i < nd; ++i) {
     if (dims[i].first < span) {
