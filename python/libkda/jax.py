@@ -18,7 +18,6 @@ Only the CPU platform is registered (there is no CUDA backend yet).
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import types
 from typing import NamedTuple
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _libkda
+from . import _libkda, _opt_float
 
 __all__ = ["kimi_delta_attention", "kimi_delta_attention_batch_first", "kda", "ShapeError",
            "UnknownImplementationError", "IMPLEMENTATIONS"]
@@ -271,16 +270,6 @@ class ShapeError(*_SHAPE_ERROR_BASES):
     """An argument of the wrong shape. A ValueError (Tokamax's older ``bind`` raises ValueError
     with the same wording) and, when jaxtyping is installed, a ``jaxtyping.TypeCheckError`` (its
     newer, jaxtyped ``bind``), so tests of either version catch it."""
-
-
-def _opt_float(name, x):
-    """A float option, None when not given; NaN is refused (the FFI reads NaN as "not given")."""
-    if x is None:
-        return None
-    x = float(x)
-    if math.isnan(x):
-        raise ValueError(f"kda: argument '{name}': expected a number or None, got nan")
-    return x
 
 
 def _implementations(implementation, accepted, only_xla=False):

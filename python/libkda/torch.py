@@ -25,12 +25,11 @@ tests. See docs/PYTHON.md for the mapping to FLA and the limitations.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
-from . import _libkda
+from . import _libkda, _opt_float
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "kda_decode", "fused_kda_gate",
            "naive_kda_gate", "naive_kda_lowerbound_gate", "naive_recurrent_kda", "naive_chunk_kda"]
@@ -63,12 +62,7 @@ def _desc(t):
 def _f(x, name):
     """A float option for the raw ops, NaN when not given (scale: K^-0.5; lower_bound: none), so
     a caller's NaN is refused rather than read as "not given"."""
-    if x is None:
-        return _NAN
-    x = float(x)
-    if math.isnan(x):
-        raise ValueError(f"kda: argument '{name}': expected a number or None, got nan")
-    return x
+    return _NAN if x is None else _opt_float(name, x)
 
 
 def _state_shape(B, N_or_none, HV, K, V, flags):

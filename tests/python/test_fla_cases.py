@@ -206,10 +206,9 @@ def _scaled_cu_seqlens(cu):
     return out
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "H{}-D{}-m{}-cu{}-{}-gate{}-safe{}-dr{}-c{}"
-                         .format(*c).replace("torch.", "").replace(" ", ""))
-def test_chunk_varlen(case):
-    H, D, mask_p, cu, dtype, gate_in_kernel, safe_gate, disable_recompute, cs = case
+def _varlen_inputs(H, D, mask_p, cu, dtype, gate_in_kernel, safe_gate):
+    """test_chunk_varlen's and test_chunk_varlen_prefill's inputs, drawn in FLA's order (seed 42):
+    cu, q, k, v, g (masked to -1000 with probability mask_p), A_log / dt_bias, beta, h0."""
     torch.manual_seed(42)
     cu = torch.LongTensor(_scaled_cu_seqlens(cu))
     T, N = int(cu[-1]), len(cu) - 1
@@ -230,6 +229,15 @@ def test_chunk_varlen(case):
         g = g.clamp(-5, 0)
     beta = torch.rand(1, T, H, dtype=dtype).sigmoid()
     h0 = torch.randn((N, H, D, D), dtype=torch.float32)
+    return cu, T, N, q, k, v, g, A_log, dt_bias, beta, h0
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "H{}-D{}-m{}-cu{}-{}-gate{}-safe{}-dr{}-c{}"
+                         .format(*c).replace("torch.", "").replace(" ", ""))
+def test_chunk_varlen(case):
+    H, D, mask_p, cu, dtype, gate_in_kernel, safe_gate, disable_recompute, cs = case
+    cu, T, N, q, k, v, g, A_log, dt_bias, beta, h0 = _varlen_inputs(H, D, mask_p, cu, dtype, gate_in_kernel,
+                                                                     safe_gate)
     do = torch.randn_like(v)
     dht = torch.rand_like(h0)
 
@@ -268,26 +276,8 @@ def test_chunk_varlen(case):
 ], ids=lambda x: str(x).replace("torch.", "").replace(" ", ""))
 @torch.inference_mode()
 def test_chunk_varlen_prefill(H, D, mask_p, cu, dtype, gate_in_kernel, safe_gate, disable_recompute):
-    torch.manual_seed(42)
-    cu = torch.LongTensor(_scaled_cu_seqlens(cu))
-    T, N = int(cu[-1]), len(cu) - 1
-    q = torch.randn((1, T, H, D), dtype=dtype)
-    k = F.normalize(torch.randn(1, T, H, D, dtype=torch.float32), p=2, dim=-1).to(dtype)
-    v = torch.randn((1, T, H, D), dtype=dtype)
-    g = torch.randn(1, T, H, D, dtype=torch.float if not gate_in_kernel else dtype)
-    A_log = dt_bias = None
-    if gate_in_kernel:
-        A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16))
-        dt_bias = torch.randn(H * D, dtype=torch.float32)
-    else:
-        g = F.logsigmoid(g)
-        g = g * (torch.rand_like(g) > mask_p)
-    mask = torch.rand_like(g) > mask_p
-    g = g * mask + (~mask) * (-1000)
-    if safe_gate:
-        g = g.clamp(-5, 0)
-    beta = torch.rand(1, T, H, dtype=dtype).sigmoid()
-    h0 = torch.randn((N, H, D, D), dtype=torch.float32)
+    cu, T, N, q, k, v, g, A_log, dt_bias, beta, h0 = _varlen_inputs(H, D, mask_p, cu, dtype, gate_in_kernel,
+                                                                     safe_gate)
 
     tri, tri_ht = chunk_kda(q=F.normalize(q.clone(), p=2, dim=-1), k=k.clone(), v=v.clone(), g=g.clone(),
                             beta=beta.clone(), A_log=A_log, dt_bias=dt_bias, initial_state=h0.clone(),
