@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch import chunk_kda
+from .torch import _overlapping, chunk_kda
 
 __all__ = ["fwd", "fwd_cp", "torch_kda", "has_cpu_extension", "has_cuda_extension"]
 
@@ -49,9 +49,9 @@ def _check_buffer(name, buf, shape):
         raise ValueError(f"flash_kda.fwd: argument '{name}': expected shape {list(shape)}, got {list(buf.shape)}")
     if not buf.is_floating_point():
         raise ValueError(f"flash_kda.fwd: argument '{name}': expected a floating dtype, got {buf.dtype}")
-    if any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
-        raise ValueError(f"flash_kda.fwd: argument '{name}': a broadcast view (strides {list(buf.stride())}) "
-                         "cannot be written; outputs need distinct elements")
+    if _overlapping(buf):
+        raise ValueError(f"flash_kda.fwd: argument '{name}': a broadcast or overlapping view (strides "
+                         f"{list(buf.stride())}) cannot be written; outputs need distinct elements")
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,

@@ -25,6 +25,7 @@ tests. See docs/PYTHON.md for the mapping to FLA and the limitations.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 
 import torch
@@ -621,6 +622,20 @@ def _check_out(out, v, name="out"):
     if out.numel() != v.numel():
         raise ValueError(f"kda: argument '{name}': expected {v.numel()} elements (o's shape {list(v.shape)}), "
                          f"got shape {list(out.shape)}")
+    if _overlapping(out):
+        raise ValueError(f"kda: argument '{name}': its elements overlap in memory (shape {list(out.shape)}, strides "
+                         f"{list(out.stride())}); outputs need distinct elements")
+
+
+def _overlapping(t):
+    """Whether a tensor's elements can share memory: the C++ check_writable rule (each dim's stride,
+    by size, steps past everything the smaller-stride dims span), for buffers copied into here."""
+    span = 1
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def fused_recurrent_kda_fwd(
@@ -693,7 +708,7 @@ def fused_recurrent_kda_fwd(
         else:
             o, fs = run()
         if out is not None:
-            out.copy_(o)
+            out.copy_(o.reshape(out.shape))
             o = out
         return o, fs
     if initial_state is None:
@@ -706,7 +721,7 @@ def fused_recurrent_kda_fwd(
                                      cu_seqlens, gate)
         fs = fs if output_final_state else None  # FLA: the per-token states only when asked for
         if out is not None:
-            out.copy_(o.view(out.shape))
+            out.copy_(o.reshape(out.shape))
             o = out
         return o, fs
     o = kda_decode(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
@@ -715,7 +730,7 @@ def fused_recurrent_kda_fwd(
                    allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
                    cu_seqlens=cu_seqlens)
     if out is not None:
-        out.copy_(o.view(out.shape))
+        out.copy_(o.reshape(out.shape))
         o = out
     return o, initial_state
 
@@ -747,6 +762,28 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
                          f"[{lo}, {hi}]")
 
 
+def _equal_segments(q, cu_seqlens):
+    """(N, T) of decode's packed layout, [1, N * T, ...] with cu_seqlens = [0, T, 2T, ...]: then
+    [N, T, ...] is a view, no copy. Ragged segments are refused (chunk_kda takes those)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+        raise ValueError(f"kda: argument 'cu_seqlens': expected a 1-D int32 or int64 tensor, got "
+                         f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
+    n = cu_seqlens.shape[0] - 1
+    total = q.shape[1]
+    t = total // n if n > 0 else 0
+    if n <= 0 or t * n != total or not torch.equal(
+            cu_seqlens, torch.arange(0, total + 1, max(t, 1), dtype=cu_seqlens.dtype, device=cu_seqlens.device)):
+        shown = cu_seqlens.tolist()
+        raise NotImplementedError(
+            "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens "
+            f"(cu_seqlens = [0, T, 2T, ..., {total}] for {total} tokens), got "
+            f"{shown if len(shown) <= 8 else shown[:8] + ['...']}; use chunk_kda with initial states for "
+            "ragged prefill")
+    return n, t
+
+
 def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
     """FLA's ``inplace_final_state=False`` with ``ssm_state_indices``: sequence n starts from the
     slot it would read (``indices[n]``, ``indices[n, 0]`` or ``indices[n, num_accepted_tokens[n] - 1]``;
@@ -755,8 +792,7 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     it. Runs the decode one token at a time on a gathered copy of the read slots."""
     packed = cu_seqlens is not None
     if packed:
-        n = cu_seqlens.shape[0] - 1
-        t = q.shape[1] // max(n, 1)
+        n, t = _equal_segments(q, cu_seqlens)
         q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
     n, t = q.shape[0], q.shape[1]
     _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
@@ -800,23 +836,7 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
                   A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     packed = cu_seqlens is not None
     if packed:
-        # [1, N * T, ...] with equal-length segments is [N, T, ...]: a view, no copy.
-        if q.shape[0] != 1:
-            raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
-            raise ValueError(f"kda: argument 'cu_seqlens': expected a 1-D int32 or int64 tensor, got "
-                             f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
-        n = cu_seqlens.shape[0] - 1
-        total = q.shape[1]
-        t = total // n if n > 0 else 0
-        if n <= 0 or t * n != total or not torch.equal(
-                cu_seqlens, torch.arange(0, total + 1, max(t, 1), dtype=cu_seqlens.dtype, device=cu_seqlens.device)):
-            shown = cu_seqlens.tolist()
-            raise NotImplementedError(
-                "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens "
-                f"(cu_seqlens = [0, T, 2T, ..., {total}] for {total} tokens), got "
-                f"{shown if len(shown) <= 8 else shown[:8] + ['...']}; use chunk_kda with initial states for "
-                "ragged prefill")
+        n, t = _equal_segments(q, cu_seqlens)
         q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
@@ -861,9 +881,10 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
     (an int third argument): ``-exp(A_log) * softplus(g + g_bias)`` with torch's softplus
     ``beta`` / ``threshold``, returned as float32 ``[..., H, K]``; and its variant with
     ``b=None`` [..., H] between ``g_bias`` and ``beta``, which returns ``(g_out, sigmoid(b))``
-    (``sigmoid(b)`` in b's dtype) when ``b`` is given."""
-    if isinstance(dt_bias, int) or head_k_dim is not None:
-        K = dt_bias if isinstance(dt_bias, int) else int(head_k_dim)
+    (both float32) when ``b`` is given."""
+    older_form = isinstance(dt_bias, numbers.Integral) and not isinstance(dt_bias, bool)
+    if older_form or head_k_dim is not None:
+        K = int(dt_bias) if older_form else int(head_k_dim)
         if isinstance(lower_bound, torch.Tensor):  # the older form's 4th positional: g_bias
             g_bias = lower_bound
         if output_dtype is None or isinstance(output_dtype, torch.Tensor):  # the 5th: b (that variant) ...
@@ -880,7 +901,7 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=t
         x, a = _gate_input(g.unflatten(-1, (g.shape[-1] // K, K)), A_log, g_bias)
         y = torch.nn.functional.softplus(x, beta=float(beta), threshold=float(threshold))
         g_out = -(y if a is None else a * y).to(torch.float32)
-        return g_out if b is None else (g_out, torch.sigmoid(b.float()).to(b.dtype))
+        return g_out if b is None else (g_out, torch.sigmoid(b.float()))  # float32, as FLA's kernel writes it
     if older or b is not None:
         raise TypeError("fused_kda_gate: `b` and positional arguments after output_dtype belong to the older form "
                         "fused_kda_gate(g, A, head_k_dim, g_bias, b, beta, threshold) (an int head_k_dim third)")

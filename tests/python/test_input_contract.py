@@ -110,6 +110,17 @@ def test_decode_out_of_wrong_shape_writes_nothing():
     with pytest.raises(ValueError, match=r"'out'"):
         kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=h0, out=out)
     assert torch.equal(h0, before[:N])
+    for bad in (torch.empty(1, 1, 1, 1).expand(N, 1, HV, V), torch.zeros(64).as_strided((N, 1, HV, V), (1, 1, 1, 1))):
+        with pytest.raises(ValueError, match=r"'out'.*overlap in memory"):
+            kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.arange(N),
+                                       out=bad)
+        with pytest.raises(ValueError, match=r"'out'.*overlap in memory"):
+            kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=h0, out=bad)
+    assert torch.equal(pool, before) and torch.equal(h0, before[:N])
+    flat = torch.zeros(N * 1, HV, V)  # any shape with o's element count receives o
+    o, _ = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool.clone(), ssm_state_indices=torch.arange(N),
+                                      out=flat)
+    assert o is flat and bool((flat != 0).any())
     with pytest.raises(ValueError, match=r"'out'.*floating tensor.*int16"):
         kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.arange(N),
                                    out=torch.zeros(N, 1, HV, V, dtype=torch.int16))
@@ -129,6 +140,10 @@ def test_out_of_place_decode_checks_indices_as_the_in_place_one_does():
         call(ssm_state_indices=torch.arange(N), num_accepted_tokens=torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError, match=r"'ssm_state_indices'.*< slots = 5.*got 5"):
         call(ssm_state_indices=torch.tensor([0, 1, 5]))
+    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]  # 9 tokens
+    with pytest.raises(NotImplementedError, match=r"same number of tokens.*got \[0, 1, 9\]"):
+        kt.fused_recurrent_kda_fwd(*packed, initial_state=pool, inplace_final_state=False,
+                                   ssm_state_indices=torch.tensor([0, 1]), cu_seqlens=torch.tensor([0, 1, 9]))
 
 
 def test_flash_kda_fwd_checks_its_buffers_before_writing():
@@ -140,11 +155,15 @@ def test_flash_kda_fwd_checks_its_buffers_before_writing():
     gate = (torch.zeros(H), torch.zeros(H, D), -5.0)
     out = torch.full((B, T, H, D), 3.0, dtype=torch.bfloat16)
     broadcast = torch.zeros(1, 1, D, D).expand(B, H, D, D)
-    with pytest.raises(ValueError, match=r"'final_state'.*broadcast view"):
+    with pytest.raises(ValueError, match=r"'final_state'.*broadcast or overlapping view"):
         flash_kda.fwd(q, k, v, g, beta, *a, out, *gate, final_state=broadcast)
     assert bool((out == 3.0).all())
     with pytest.raises(ValueError, match=r"'out'.*floating dtype, got torch.int32"):
         flash_kda.fwd(q, k, v, g, beta, *a, torch.zeros(B, T, H, D, dtype=torch.int32), *gate)
+    overlapping = torch.zeros(64).as_strided((B, H, D, D), (0, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"'final_state'.*overlapping view"):
+        flash_kda.fwd(q, k, v, g, beta, *a, out, *gate, final_state=overlapping)
+    assert bool((out == 3.0).all())
     with pytest.raises(ValueError, match=r"'out'.*got None"):
         flash_kda.fwd(q, k, v, g, beta, *a, None, *gate)
     with pytest.raises(ValueError, match=r"'q'.*\[B, T, H, D\]"):
