@@ -1,12 +1,11 @@
 // README's "C++ use" snippet, completed into a program against the installed headers and library:
 // a packed bf16 forward with the in-kernel gate and l2norm, checked against the fp64 oracle
 // (kda::reference_forward) with SPEC.md 4's bf16 bound, and one error naming its argument.
-#include <kda/kda.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <kda/kda.hpp>
 #include <string>
 #include <vector>
 
