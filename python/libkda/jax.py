@@ -396,9 +396,9 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
     H, B, T, K = query.shape
     HV, V = value.shape[0], value.shape[3]
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
-        if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"kda: argument '{name}': expected a floating dtype (float32, bfloat16, float16 or "
-                             f"float64), got {x.dtype if hasattr(x, 'dtype') else type(x).__name__}")
+                             f"float64), got {jnp.result_type(x)}")
     if tuple(key.shape) != (H, B, T, K):
         raise ShapeError(f"`k` shape {tuple(key.shape)} must match `q` shape {tuple(query.shape)} "
                          "(argument 'key', head-first [H, B, T, K]).")

@@ -368,28 +368,25 @@ def _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kern
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _check_dtypes(ints=(), **tensors):
-    """Each tensor's dtype before it reaches the raw ops (which know only a code for "unsupported"):
-    the names in `ints` int32 / int64, the others float32, bfloat16, float16 or float64."""
+def _check_tensors(ints=(), **tensors):
+    """Each tensor argument before it reaches the raw ops: on the CPU (one elsewhere -- CUDA, or a
+    meta tensor beside CPU ones -- would reach the kernels' shape-only path and come back as
+    uninitialized output), and of a supported dtype (the raw ops know only a code for
+    "unsupported"): the names in `ints` int32 / int64, the others float32, bfloat16, float16 or
+    float64."""
     for name, t in tensors.items():
         if t is None:
             continue
+        if t.device.type != "cpu":
+            raise NotImplementedError(
+                f"libkda.torch: argument '{name}' is on device '{t.device}', which is not supported -- libkda has "
+                f"a CPU backend only (no CUDA backend yet). Move the inputs to the CPU or use fla.ops.kda on the GPU."
+            )
         if name in ints and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"kda: argument '{name}': expected dtype int32 or int64, got {t.dtype}")
         if name not in ints and t.dtype not in _FLOATS:
             raise ValueError(f"kda: argument '{name}': expected dtype float32, bfloat16, float16 or float64, got "
                              f"{t.dtype}")
-
-
-def _check_cpu(**tensors):
-    """Every tensor argument on the CPU: one elsewhere (CUDA, or a meta tensor beside CPU ones)
-    would otherwise reach the kernels' shape-only path and come back as uninitialized output."""
-    for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
-            raise NotImplementedError(
-                f"libkda.torch: argument '{name}' is on device '{t.device}', which is not supported -- libkda has "
-                f"a CPU backend only (no CUDA backend yet). Move the inputs to the CPU or use fla.ops.kda on the GPU."
-            )
 
 
 def _state_v_first_kwarg(state_v_first, kwargs):
@@ -471,9 +468,8 @@ def chunk_kda(
     if cp_context is not None:
         raise NotImplementedError("libkda.torch.chunk_kda: context parallelism (cp_context) is not supported")
     gate_params = dict(A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"))
-    _check_cpu(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **gate_params)
-    _check_dtypes(("cu_seqlens",), q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                  cu_seqlens=cu_seqlens, **gate_params)
+    _check_tensors(("cu_seqlens",), q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                   cu_seqlens=cu_seqlens, **gate_params)
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(
@@ -829,11 +825,9 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     """Decode against a state pool (libkda::decode, kda::decode): updates ``state_pool`` in place
     and returns o in q's layout (``[N, T, HV, V]``, or ``[1, N * T, HV, V]`` with ``cu_seqlens``).
     See ``fused_recurrent_kda_fwd`` for the index contract. Not differentiable."""
-    _check_cpu(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, ssm_state_indices=ssm_state_indices,
-               num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
-    _check_dtypes(("ssm_state_indices", "num_accepted_tokens", "cu_seqlens"), q=q, k=k, v=v, g=g, beta=beta,
-                  state_pool=state_pool, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                  A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+    _check_tensors(("ssm_state_indices", "num_accepted_tokens", "cu_seqlens"), q=q, k=k, v=v, g=g, beta=beta,
+                   state_pool=state_pool, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                   A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     packed = cu_seqlens is not None
     if packed:
         n, t = _equal_segments(q, cu_seqlens)
