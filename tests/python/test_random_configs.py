@@ -32,8 +32,9 @@ def as_oracle(x):
     return x if x.dtype == np.float32 else np.asarray(x, np.float64)
 
 
-@pytest.mark.parametrize("seed", range(COUNT))
-def test_forward_backward_matches_oracle(seed):
+def training_case(seed):
+    """The configuration of `seed`, its inputs, options, initial state, cotangents and the fp64
+    adjoint's result."""
     c, rng = training_config(seed)
     x = make_inputs(rng, B=1, T=c["T"], H=c["H"], HV=c["HV"], K=c["K"], V=c["V"], dtype=c["dtype"], gate=c["gate"],
                     l2norm=c["l2norm"], beta_sigmoid=c["beta_sigmoid"])
@@ -54,6 +55,12 @@ def test_forward_backward_matches_oracle(seed):
     dht = (rng.standard_normal(h0.shape) * 0.1).astype(np.float32)
     ref = libkda.naive_recurrent_kda_bwd(**{k: as_oracle(a) for k, a in x.items()}, do=as_oracle(do), dht=dht,
                                          initial_state=h0, **opts)
+    return c, x, opts, h0, do, dht, ref
+
+
+@pytest.mark.parametrize("seed", range(COUNT))
+def test_forward_backward_matches_oracle(seed):
+    c, x, opts, h0, do, dht, ref = training_case(seed)
     for residuals in ("saved", "remat"):
         out = libkda.chunk_kda_fwd_bwd(**x, do=do, dht=dht, initial_state=h0, output_final_state=True,
                                        residuals=residuals, **opts)
@@ -67,6 +74,46 @@ def test_forward_backward_matches_oracle(seed):
                 bound = GRAD_BOUND[c["dtype"]] * (2.5 if name in ("dg", "dA_log", "ddt_bias") else 1.0)
             m = metric(out[name], ref[name])
             assert m["finite"] and m["rel"] <= bound, f"{residuals} {name}: rel={m['rel']:.3e} (bound {bound}) | {c}"
+
+
+def dA_log_terms(x, opts, dg):
+    """The terms whose sum over tokens and key channels is dA_log, from the raw gate's gradient dg:
+    dA_log = sum_tk dg_tk (d gamma / d A_log) / (d gamma / d g_raw). With z = g_raw + dt_bias,
+    that ratio is z for the lower-bound gate (gamma = lb sigmoid(e^A_log z)) and softplus(z) /
+    sigmoid(z) for the softplus gate (gamma = -e^A_log softplus(z)). Shape (T, HV, K)."""
+    HV = opts["A_log"].shape[0]
+    z = np.asarray(x["g"], np.float64)[0] + opts["dt_bias"].astype(np.float64).reshape(HV, -1)[None]
+    ratio = z if "lower_bound" in opts else np.logaddexp(0.0, z) * (1.0 + np.exp(-z))
+    return np.asarray(dg, np.float64)[0] * ratio
+
+
+# Configurations of the randomized sweep (seeds beyond the large set) whose dA_log is a strongly
+# cancelling sum: sum |terms| / |dA_log| of 247 to 948 in some head (the bf16 error measured 5e-5 to
+# 9e-4 of sum |terms|).
+ILL_CONDITIONED = [331, 1132, 1141]
+
+
+@pytest.mark.parametrize("seed", ILL_CONDITIONED)
+def test_ill_conditioned_dA_log(seed):
+    """dA_log sums T K gate-gradient terms per value head. Where they cancel, SPEC.md's relative
+    bound on the sum asks for more than the terms' own precision: with bf16 state products each
+    term is good to about 3e-3, so the sum is good to 3e-3 of sum |terms|, which can be far more
+    than 2e-2 of the sum (up to 35% off here). The bf16 path is held to that term-scaled bound;
+    with bf16_dot_products=False every term is fp32-exact and the sum meets the bound outright
+    (docs/PYTHON.md, "Precision of dA_log")."""
+    c, x, opts, h0, do, dht, ref = training_case(seed)
+    terms = dA_log_terms(x, opts, ref["dg"])
+    # the formula is the oracle's own dA_log (checks dA_log_terms, not the kernel)
+    np.testing.assert_allclose(terms.sum(axis=(0, 2)), ref["dA_log"], rtol=1e-6, atol=1e-12)
+    scale = np.abs(terms).sum(axis=(0, 2))  # (HV) sum |terms|
+    assert np.max(scale / np.abs(ref["dA_log"])) > 100, "not an ill-conditioned case"
+    kw = dict(do=do, dht=dht, initial_state=h0, output_final_state=True, residuals="saved", **opts)
+    bf16 = libkda.chunk_kda_fwd_bwd(**x, **kw)
+    err = np.abs(np.asarray(bf16["dA_log"], np.float64) - ref["dA_log"])
+    assert np.all(err <= 3e-3 * scale), f"bf16 products: |error| {err} > 3e-3 sum|terms| {3e-3 * scale} | {c}"
+    fp32 = libkda.chunk_kda_fwd_bwd(**x, bf16_dot_products=False, **kw)
+    m = metric(fp32["dA_log"], ref["dA_log"])
+    assert m["finite"] and m["rel"] <= 1e-3, f"fp32 products: dA_log rel={m['rel']:.3e} (bound 1e-3) | {c}"
 
 
 @pytest.mark.parametrize("seed", range(COUNT))
