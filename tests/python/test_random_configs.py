@@ -87,10 +87,10 @@ def dA_log_terms(x, opts, dg):
     return np.asarray(dg, np.float64)[0] * ratio
 
 
-# Configurations of the randomized sweep (seeds beyond the large set) whose dA_log is a strongly
-# cancelling sum: sum |terms| / |dA_log| of 247 to 948 in some head (the bf16 error measured 5e-5 to
-# 9e-4 of sum |terms|).
-ILL_CONDITIONED = [331, 1132, 1141]
+# The configurations among seeds 150-5149 (beyond the large set) that miss SPEC.md's dA_log bound
+# with bf16 products: 13 of the 852 bf16 raw-gate ones, every one a strongly cancelling sum
+# (sum |terms| / |dA_log| of 185 to 5663 in some head; the bf16 error 3e-5 to 9e-4 of sum |terms|).
+ILL_CONDITIONED = [331, 1132, 1141, 1472, 1566, 2136, 2442, 2630, 2904, 3512, 3606, 3839, 4576]
 
 
 @pytest.mark.parametrize("seed", ILL_CONDITIONED)
