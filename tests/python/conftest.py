@@ -28,6 +28,11 @@ def metric(out, ref):
     return {"rel": rel, "max_abs": max_abs, "finite": finite, "rms_ref": rms_ref}
 
 
+def torch_rel(ref, out):
+    """metric's rel of two torch tensors (SPEC.md section 4; absolute where ref is exactly 0)."""
+    return metric(out.detach().double().numpy(), ref.detach().double().numpy())["rel"]
+
+
 def assert_close(out, ref, bound, name="o"):
     """Asserts rel <= bound and all-finite; the failure message carries the whole metric."""
     m = metric(out, ref)

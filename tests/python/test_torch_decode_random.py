@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import torch_rel
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 kt = pytest.importorskip("libkda.torch", reason="libkda.torch could not be imported")
@@ -17,13 +18,6 @@ F = torch.nn.functional
 F64 = torch.float64
 
 COUNT = 150 if os.environ.get("KDA_LARGE_TESTS") else 12
-
-
-def rms_ratio(ref, out):
-    """SPEC.md section 4: rms(out - ref) / rms(ref) (absolute where ref is 0)."""
-    ref, out = ref.to(F64), out.to(F64)
-    rms_ref, rms_diff = ref.pow(2).mean().sqrt().item(), (ref - out).pow(2).mean().sqrt().item()
-    return rms_diff / rms_ref if rms_ref > 0 else rms_diff
 
 
 def config(seed):
@@ -112,13 +106,13 @@ def test_vllm_decode_matches_float64_recurrence(seed):
                                            gg[n:n + 1, t:t + 1], bb[n:n + 1, t:t + 1], initial_state=h[None] if
                                            h.dim() == 3 else h, output_final_state=True)
             states.append(h[0])
-            e = rms_ratio(ot[0, 0], o[n, t])
+            e = torch_rel(ot[0, 0], o[n, t])
             assert e <= bound, f"row {n} token {t}: o rel={e:.3e} (bound {bound}) | {tag}"
         ref_states = [s.transpose(-1, -2) if c["v_first"] else s for s in states]
         if not c["inplace"]:  # the pool untouched; the state after every token returned
             fs_rows = fs.reshape(N, T, *pool.shape[1:])
             for t in range(T):
-                e = rms_ratio(ref_states[t], fs_rows[n, t])
+                e = torch_rel(ref_states[t], fs_rows[n, t])
                 assert e <= 1e-5, f"row {n} token {t}: returned state rel={e:.3e} | {tag}"
             continue
         if idx.dim() == 1:
@@ -126,7 +120,7 @@ def test_vllm_decode_matches_float64_recurrence(seed):
         else:
             targets = [(int(idx[n, t]), t) for t in range(T) if int(idx[n, t]) >= 0]
         for s, t in targets:
-            e = rms_ratio(ref_states[t], pool[s])
+            e = torch_rel(ref_states[t], pool[s])
             assert e <= 1e-5, f"row {n}: slot {s} (state after token {t}) rel={e:.3e} | {tag}"
             written.add(s)
     untouched = [s for s in range(slots) if s not in written]

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import torch_rel
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 kt = pytest.importorskip("libkda.torch", reason="libkda.torch could not be imported")
@@ -21,14 +22,6 @@ F64 = torch.float64
 
 COUNT = 150 if os.environ.get("KDA_LARGE_TESTS") else 12
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def rms_ratio(ref, out):
-    """SPEC.md section 4: rms(out - ref) / rms(ref); the absolute rms error where ref is exactly 0
-    (a gate gradient with nothing to act on: one token per sequence and no initial state)."""
-    ref, out = ref.detach().to(F64), out.detach().to(F64)
-    rms_ref, rms_diff = ref.pow(2).mean().sqrt().item(), (ref - out).pow(2).mean().sqrt().item()
-    return rms_diff / rms_ref if rms_ref > 0 else rms_diff
 
 
 def grad_bound(dtype, name):
@@ -152,9 +145,9 @@ def test_chunk_kda_matches_float64_autograd(seed):
 
     out_bound = 5e-3 if c["dtype"] in LOW_PRECISION else 1e-5
     failures = []
-    errs = {"o": (rms_ratio(ro, o), out_bound)}
+    errs = {"o": (torch_rel(ro, o), out_bound)}
     if ht is not None:
-        errs["final_state"] = (rms_ratio(rht, ht), out_bound)
+        errs["final_state"] = (torch_rel(rht, ht), out_bound)
     grad_names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0", A_log="dA_log",
                       dt_bias="ddt_bias")
     for n, leaf in x.items():
@@ -167,6 +160,6 @@ def test_chunk_kda_matches_float64_autograd(seed):
             if bool((err > bound).any()):
                 failures.append(f"dA_log: |error| {err.tolist()} > {bound.tolist()} (dg bound x sum|terms| + 1e-6)")
             continue
-        errs[name] = (rms_ratio(r[n].grad, leaf.grad), grad_bound(c["dtype"], name))
+        errs[name] = (torch_rel(r[n].grad, leaf.grad), grad_bound(c["dtype"], name))
     failures += [f"{n}: rel={e:.3e} (bound {b})" for n, (e, b) in errs.items() if not e <= b]
     assert not failures, f"{failures} | seed {seed}: {c}"
