@@ -785,36 +785,40 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     slot it would read (``indices[n]``, ``indices[n, 0]`` or ``indices[n, num_accepted_tokens[n] - 1]``;
     negative: padding, o = 0 and a zero state), the pool is left untouched, and the state after
     every token is returned, ``[total tokens, HV, K, V]`` (row ``bos + t``), as FLA's kernel writes
-    it. Runs the decode one token at a time on a gathered copy of the read slots."""
+    it. One kda::decode call with a slot per token: the returned buffer is its pool, sequence n's
+    read state is copied into the row of token ``a_n - 1`` (a_n = its accepted tokens, else 1) and
+    token t's state goes to row ``n T + t``, so the decode reads each state once and writes every
+    token's state once, as the in-place speculative decode does."""
     packed = cu_seqlens is not None
     if packed:
         n, t = _equal_segments(q, cu_seqlens)
         q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
     n, t = q.shape[0], q.shape[1]
     _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
-    if indices.dim() == 1:
-        read = indices.to(torch.int64)
-    elif num_accepted_tokens is not None:
-        read = indices.gather(1, (num_accepted_tokens.to(torch.int64) - 1).clamp(min=0)[:, None])[:, 0].to(torch.int64)
+    if t == 0:  # no tokens: nothing to read or return, as the in-place decode of T = 0 is a no-op
+        o = torch.empty((n, 0) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
+        final = torch.empty((0,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
+        return (o.flatten(0, 1).unsqueeze(0) if packed else o), final
+    if indices.dim() == 2 and num_accepted_tokens is not None:
+        accepted = num_accepted_tokens.to(torch.int64)
+        read = indices.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0].to(torch.int64)
     else:
-        read = indices[:, 0].to(torch.int64)
-    if read.shape[0] != n:
-        raise ValueError(f"fused_recurrent_kda_fwd: ssm_state_indices has {read.shape[0]} rows, expected {n}")
-    if bool(((read >= pool.shape[0])).any()):
-        raise ValueError(f"fused_recurrent_kda_fwd: ssm_state_indices reads slot {int(read.max())}, expected < "
-                         f"{pool.shape[0]} slots")
-    work = torch.zeros((n,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
-    valid = read >= 0
-    work[valid] = pool[read[valid]].to(torch.float32)
-    slots = torch.where(valid, torch.arange(n, dtype=torch.int64), torch.full_like(read, -1))
+        accepted = torch.ones(n, dtype=torch.int64)
+        read = (indices if indices.dim() == 1 else indices[:, 0]).to(torch.int64)
+    valid, accepted, read = (read >= 0).tolist(), accepted.tolist(), read.tolist()  # host loop below
+    # Every row of `final` is written once: by the decode (valid rows' tokens), or zeroed here
+    # (padding rows); the read states go in first, each into the row the decode reads.
     final = torch.empty((n, t) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
-    outs = []
-    for i in range(t):
-        step = [x[:, i:i + 1] for x in (q, k, v, g, beta)]
-        outs.append(kda_decode(*step, work, slots, **gate))
-        final[:, i] = work
-    o = torch.cat(outs, dim=1) if outs else torch.empty_like(v, dtype=q.dtype)
+    for row in range(n):
+        if not valid[row]:
+            final[row].zero_()
+        else:
+            final[row, accepted[row] - 1].copy_(pool[read[row]])
     final = final.flatten(0, 1)
+    slots = torch.arange(n * t, dtype=torch.int64).reshape(n, t)  # token t of row n: row n T + t
+    slots[[row for row in range(n) if not valid[row]]] = -1  # padding rows: o = 0, rows of `final` zeroed
+    accepted = torch.tensor(accepted, dtype=torch.int64)
+    o = kda_decode(q, k, v, g, beta, final, slots, num_accepted_tokens=accepted, **gate)
     return (o.flatten(0, 1).unsqueeze(0) if packed else o), final
 
 

@@ -195,3 +195,15 @@ def test_decode_of_no_tokens_is_a_no_op(per_token):
     assert tuple(o.shape) == (N, 0, HV, V) and torch.equal(pool, before)
     o = libkda.kda_decode(*(x.numpy() for x in (q, k, v, g, beta)), pool.numpy(), idx.numpy())
     assert o.shape == (N, 0, HV, V) and torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["[N]", "[N, 0]"])
+def test_out_of_place_decode_of_no_tokens_returns_empty_results(per_token):
+    q, k, v, g, beta, pool = _decode_inputs()
+    q, k, v, g, beta = (x[:, :0] for x in (q, k, v, g, beta))  # T = 0
+    before = pool.clone()
+    idx = torch.zeros(N, 0, dtype=torch.int64) if per_token else torch.arange(N)
+    o, states = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=False,
+                                           output_final_state=True, ssm_state_indices=idx)
+    assert tuple(o.shape) == (N, 0, HV, V) and tuple(states.shape) == (0, HV, K, V)
+    assert torch.equal(pool, before)
