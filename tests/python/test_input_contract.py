@@ -185,12 +185,17 @@ def test_overlapping_pool_rows_are_refused_and_left_alone():
 
 # --- no tokens -----------------------------------------------------------------------------------
 
+def _no_token_decode(per_token):
+    """Decode inputs of T = 0 tokens, a copy of the pool, and [N, 0] or [N] slot indices."""
+    q, k, v, g, beta, pool = _decode_inputs()
+    tokens = tuple(x[:, :0] for x in (q, k, v, g, beta))
+    idx = torch.zeros(N, 0, dtype=torch.int64) if per_token else torch.arange(N)
+    return tokens, pool, pool.clone(), idx
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["[N]", "[N, 0]"])
 def test_decode_of_no_tokens_is_a_no_op(per_token):
-    q, k, v, g, beta, pool = _decode_inputs()
-    q, k, v, g, beta = (x[:, :0] for x in (q, k, v, g, beta))  # T = 0
-    before = pool.clone()
-    idx = torch.zeros(N, 0, dtype=torch.int64) if per_token else torch.arange(N)
+    (q, k, v, g, beta), pool, before, idx = _no_token_decode(per_token)
     o = kt.kda_decode(q, k, v, g, beta, pool, idx)
     assert tuple(o.shape) == (N, 0, HV, V) and torch.equal(pool, before)
     o = libkda.kda_decode(*(x.numpy() for x in (q, k, v, g, beta)), pool.numpy(), idx.numpy())
@@ -199,10 +204,7 @@ def test_decode_of_no_tokens_is_a_no_op(per_token):
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["[N]", "[N, 0]"])
 def test_out_of_place_decode_of_no_tokens_returns_empty_results(per_token):
-    q, k, v, g, beta, pool = _decode_inputs()
-    q, k, v, g, beta = (x[:, :0] for x in (q, k, v, g, beta))  # T = 0
-    before = pool.clone()
-    idx = torch.zeros(N, 0, dtype=torch.int64) if per_token else torch.arange(N)
+    (q, k, v, g, beta), pool, before, idx = _no_token_decode(per_token)
     o, states = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=False,
                                            output_final_state=True, ssm_state_indices=idx)
     assert tuple(o.shape) == (N, 0, HV, V) and tuple(states.shape) == (0, HV, K, V)
