@@ -28,6 +28,18 @@ def metric(out, ref):
     return {"rel": rel, "max_abs": max_abs, "finite": finite, "rms_ref": rms_ref}
 
 
+def dA_log_terms(g_raw, dt_bias, lower_bound, dg):
+    """The terms whose sum over tokens and key channels is dA_log, from the raw gate and its
+    gradient dg (both [..., HV, K], leading dims are tokens): dA_log = sum_tk dg_tk (d gamma /
+    d A_log) / (d gamma / d g_raw). With z = g_raw + dt_bias, that ratio is z for the lower-bound
+    gate (gamma = lb sigmoid(e^A_log z)) and softplus(z) / sigmoid(z) for the softplus gate
+    (gamma = -e^A_log softplus(z)). Returns (tokens, HV, K) float64."""
+    g = np.asarray(g_raw, np.float64)
+    z = g.reshape(-1, *g.shape[-2:]) + np.asarray(dt_bias, np.float64).reshape(g.shape[-2:])
+    ratio = z if lower_bound else np.logaddexp(0.0, z) * (1.0 + np.exp(-z))
+    return np.asarray(dg, np.float64).reshape(z.shape) * ratio
+
+
 def torch_rel(ref, out):
     """metric's rel of two torch tensors (SPEC.md section 4; absolute where ref is exactly 0)."""
     return metric(out.detach().double().numpy(), ref.detach().double().numpy())["rel"]

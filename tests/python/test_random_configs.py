@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import BF16, make_inputs, metric
+from conftest import BF16, dA_log_terms, make_inputs, metric
 
 import libkda
 
@@ -76,17 +76,6 @@ def test_forward_backward_matches_oracle(seed):
             assert m["finite"] and m["rel"] <= bound, f"{residuals} {name}: rel={m['rel']:.3e} (bound {bound}) | {c}"
 
 
-def dA_log_terms(x, opts, dg):
-    """The terms whose sum over tokens and key channels is dA_log, from the raw gate's gradient dg:
-    dA_log = sum_tk dg_tk (d gamma / d A_log) / (d gamma / d g_raw). With z = g_raw + dt_bias,
-    that ratio is z for the lower-bound gate (gamma = lb sigmoid(e^A_log z)) and softplus(z) /
-    sigmoid(z) for the softplus gate (gamma = -e^A_log softplus(z)). Shape (T, HV, K)."""
-    HV = opts["A_log"].shape[0]
-    z = np.asarray(x["g"], np.float64)[0] + opts["dt_bias"].astype(np.float64).reshape(HV, -1)[None]
-    ratio = z if "lower_bound" in opts else np.logaddexp(0.0, z) * (1.0 + np.exp(-z))
-    return np.asarray(dg, np.float64)[0] * ratio
-
-
 # The configurations among seeds 150-5149 (beyond the large set) that miss SPEC.md's dA_log bound
 # with bf16 products: 13 of the 852 bf16 raw-gate ones, every one a strongly cancelling sum
 # (sum |terms| / |dA_log| of 185 to 5663 in some head; the bf16 error 3e-5 to 9e-4 of sum |terms|).
@@ -102,7 +91,7 @@ def test_ill_conditioned_dA_log(seed):
     with bf16_dot_products=False every term is fp32-exact and the sum meets the bound outright
     (docs/PYTHON.md, "Precision of dA_log")."""
     c, x, opts, h0, do, dht, ref = training_case(seed)
-    terms = dA_log_terms(x, opts, ref["dg"])
+    terms = dA_log_terms(x["g"], opts["dt_bias"], "lower_bound" in opts, ref["dg"])
     # the formula is the oracle's own dA_log (checks dA_log_terms, not the kernel)
     np.testing.assert_allclose(terms.sum(axis=(0, 2)), ref["dA_log"], rtol=1e-6, atol=1e-12)
     scale = np.abs(terms).sum(axis=(0, 2))  # (HV) sum |terms|
