@@ -805,19 +805,17 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     else:
         accepted = torch.ones(n, dtype=torch.int64)
         read = (indices if indices.dim() == 1 else indices[:, 0]).to(torch.int64)
-    valid, accepted, read = (read >= 0).tolist(), accepted.tolist(), read.tolist()  # host loop below
     # Every row of `final` is written once: by the decode (valid rows' tokens), or zeroed here
     # (padding rows); the read states go in first, each into the row the decode reads.
     final = torch.empty((n, t) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
-    for row in range(n):
-        if not valid[row]:
-            final[row].zero_()
-        else:
-            final[row, accepted[row] - 1].copy_(pool[read[row]])
-    final = final.flatten(0, 1)
     slots = torch.arange(n * t, dtype=torch.int64).reshape(n, t)  # token t of row n: row n T + t
-    slots[[row for row in range(n) if not valid[row]]] = -1  # padding rows: o = 0, rows of `final` zeroed
-    accepted = torch.tensor(accepted, dtype=torch.int64)
+    for row, (r, a) in enumerate(zip(read.tolist(), accepted.tolist())):
+        if r < 0:  # padding row: o = 0, its rows of `final` zeroed
+            final[row].zero_()
+            slots[row] = -1
+        else:
+            final[row, a - 1].copy_(pool[r])
+    final = final.flatten(0, 1)
     o = kda_decode(q, k, v, g, beta, final, slots, num_accepted_tokens=accepted, **gate)
     return (o.flatten(0, 1).unsqueeze(0) if packed else o), final
 
