@@ -16,7 +16,7 @@ PY="${PYTHON:-python3}"
 log=$(mktemp)
 # A failed install must fail the script (the torch/jax tests would otherwise only skip).
 if ! "$PY" -m pip install -q --disable-pip-version-check numpy ml_dtypes pytest "scikit-build-core>=0.10" \
-    "nanobind>=2" "torch>=2.4" "jax>=0.5" jaxtyping > "$log" 2>&1; then
+    "nanobind>=2" "torch>=2.4" "jax>=0.5" jaxtyping "fla-core==0.6.0" > "$log" 2>&1; then
   cat "$log"
   exit 1
 fi

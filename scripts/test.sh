@@ -28,7 +28,9 @@ if ! "$PY" -m pip install -q --disable-pip-version-check . > "$log" 2>&1; then
 fi
 rm -f "$log"
 # In CI the framework integrations must be tested, not skipped for want of a package.
-if [ "${CI:-}" = "true" ]; then "$PY" -c "import torch, jax; print('torch', torch.__version__, 'jax', jax.__version__)"; fi
+if [ "${CI:-}" = "true" ]; then
+  "$PY" -W ignore -c "import torch, jax, fla.ops.kda.naive; print('torch', torch.__version__, 'jax', jax.__version__, 'fla-core', __import__('importlib.metadata').metadata.version('fla-core'))"
+fi
 # Run from tests/ so `import libkda` resolves to the installed package, not python/libkda.
 # pytest exits 5 when it collects nothing; set -e turns that into a failure.
 (cd tests/python && "$PY" -m pytest -q -p no:cacheprovider .)
