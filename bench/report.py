@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turns one or more kda-bench JSON files into a markdown table and PNG plots.
+"""Turns one or more kda-bench (and bench/peers.py) JSON files into a markdown table and PNG plots.
 
     python3 bench/report.py bench-results/*.json --out bench-results/report
 
@@ -36,7 +36,21 @@ def fmt_rate(r: dict) -> str:
     return f"{r.get('gflops', 0):.1f} GFLOP/s ({r.get('pct_of_limit', 0):.0f}%{side})"
 
 
+def peers_table(records: list[dict]) -> list[str]:
+    """bench/peers.py's records: libkda next to FLA's CPU-runnable implementations."""
+    lines = ["", "### peers (bench/peers.py)", "",
+             "| workload | implementation | median ms | min ms | max ms | peak MB | libkda faster by |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in records:
+        faster = "-" if r["path"] == "libkda" else f"{r['libkda_speedup']:.1f}x"
+        lines.append(f"| {r['shape']} | {r['path']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} | "
+                     f"{r['peak_bytes'] / 2**20:.1f} | {faster} |")
+    return lines
+
+
 def table(records: list[dict]) -> str:
+    peers = [r for r in records if r["suite"] == "peers"]
+    records = [r for r in records if r["suite"] != "peers"]
     lines = []
     limits = {(r["file"], json.dumps(r.get("limits", {}), sort_keys=True)) for r in records}
     for file, lim in sorted(limits):
@@ -55,6 +69,8 @@ def table(records: list[dict]) -> str:
             lines.append(f"| {r['path']} | {r['shape']} | {r['dtype']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
                          f"{r['max_ms']:.2f} | {fmt_rate(r)} | {r['peak_bytes'] / 2**20:.1f} | "
                          f"{r.get('residual_bytes', 0) / 2**20:.1f} | {sp} |")
+    if peers:
+        lines += peers_table(peers)
     return "\n".join(lines) + "\n"
 
 
