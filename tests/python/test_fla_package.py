@@ -256,3 +256,36 @@ def test_state_v_first_matches_fla_naive_with_transposed_states():
     assert s.shape == (B, HV, V, K)
     assert torch_rel(o_peer, o) <= 2e-5 and torch_rel(s_peer, s.transpose(-1, -2)) <= 2e-5, (
         f"o {torch_rel(o_peer, o):.2e}, final_state {torch_rel(s_peer, s.transpose(-1, -2)):.2e} (bound 2e-5)")
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["k-first", "v-first"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_pool_decode_matches_fla_naive_recurrent(T, state_v_first):
+    """vLLM's decode entry (fused_recurrent_kda with ssm_state_indices, pool updated in place)
+    against FLA's reference run on each sequence from its slot's state: outputs, the written
+    slots, and the slots no sequence names left bitwise as they were."""
+    N, H, HV, K, V, slots = 5, 2, 4, 64, 32, 9
+    x = leaves(N, T, H, HV, K, V, seed=20 + T, gate="raw")
+    gen = torch.Generator().manual_seed(21)
+    A_log = torch.rand(HV, generator=gen) * 2 - 1
+    dt_bias = torch.randn(HV * K, generator=gen) * 0.5
+    pool = torch.randn(slots, HV, K, V, generator=gen)
+    index = torch.tensor([7, 0, 3, -1, 5], dtype=torch.int32)  # row 3 is padding
+    low = {n: x[n].to(BF16) for n in ("q", "k", "v", "g", "beta")}
+    qn, kn = F.normalize(low["q"].float(), dim=-1), F.normalize(low["k"].float(), dim=-1)
+    decay = naive_kda_lowerbound_gate(low["g"], A_log, dt_bias, lower_bound=-5.0)
+    live = index >= 0
+    o_peer, s_peer = naive_recurrent_kda(qn[live], kn[live], low["v"][live], decay[live], low["beta"][live],
+                                         initial_state=pool[index[live].long()], output_final_state=True)
+    ours = pool.transpose(-1, -2).contiguous() if state_v_first else pool.clone()
+    o, fs = kt.fused_recurrent_kda(**low, A_log=A_log, dt_bias=dt_bias, initial_state=ours,
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                                   state_v_first=state_v_first, ssm_state_indices=index, inplace_final_state=True)
+    assert fs.data_ptr() == ours.data_ptr()
+    after = ours.transpose(-1, -2) if state_v_first else ours
+    r_o = torch_rel(o_peer, o[live])
+    r_s = torch_rel(s_peer, after[index[live].long()])
+    assert r_o <= 1e-2 and r_s <= 5e-3, f"o {r_o:.2e} (bound 1e-2), written states {r_s:.2e} (bound 5e-3)"
+    assert torch.equal(o[~live], torch.zeros_like(o[~live])), "padding row's output is not 0"
+    untouched = [s for s in range(slots) if s not in index.tolist()]
+    assert torch.equal(after[untouched], pool[untouched]), "a slot no sequence names changed"
