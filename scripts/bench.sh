@@ -13,12 +13,7 @@ cmake --build --preset release --target kda-bench
 mkdir -p bench-results
 if [ "${KDA_BENCH_PEERS:-1}" != "0" ]; then
   echo "== peers: pip install . (libkda.torch), then bench/peers.py"
-  log=$(mktemp)
-  if ! "$PY" -m pip install -q --disable-pip-version-check . > "$log" 2>&1; then
-    cat "$log"
-    exit 1
-  fi
-  rm -f "$log"
+  bash scripts/install_python_package.sh
   (cd bench-results && "$PY" ../bench/peers.py --json peers.json)
 fi
 echo "== kda-bench"

@@ -21,12 +21,7 @@ if [ "${1:-}" = "--sanitize" ]; then
 fi
 
 echo "== Python: pip install . and pytest"
-log=$(mktemp)
-if ! "$PY" -m pip install -q --disable-pip-version-check . > "$log" 2>&1; then
-  cat "$log"
-  exit 1
-fi
-rm -f "$log"
+bash scripts/install_python_package.sh
 # In CI the framework integrations must be tested, not skipped for want of a package.
 if [ "${CI:-}" = "true" ]; then
   "$PY" -W ignore -c "import torch, jax, fla.ops.kda.naive; print('torch', torch.__version__, 'jax', jax.__version__, 'fla-core', __import__('importlib.metadata').metadata.version('fla-core'))"
