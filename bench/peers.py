@@ -176,6 +176,8 @@ def main():
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "IMPL", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.iters < 1:
+        ap.error(f"--iters: expected at least 1, got {a.iters}")
     if a.one:
         print(json.dumps(run_one(*a.one, a.iters)))
         return 0
