@@ -22,7 +22,12 @@ single call above what the process held before it: Linux VmHWM after resetting i
 unseen. The other, with the default allocator, times one warm-up and --iters calls (median, min,
 max). Ratios are libkda's speed-up over each peer in the same run.
 
-usage: python3 bench/peers.py [--iters N] [--json FILE] [--workloads forward,train,decode]
+`--workloads forward-representative` adds SPEC.md's representative shape (B=1, H=32, T=8192) for
+the forward alone (FLA's references then take seconds a call; the issue's ik_llama.cpp figure,
+about 350 ms, is at this shape). Forward + backward at that shape would need tens of GB for the
+autograd graph of FLA's recurrence, so it is not offered.
+
+usage: python3 bench/peers.py [--iters N] [--json FILE] [--workloads forward,train,decode,forward-representative]
 """
 
 import argparse
@@ -34,7 +39,8 @@ import sys
 import time
 import warnings
 
-WORKLOADS = ("forward", "train", "decode")
+WORKLOADS = ("forward", "train", "decode", "forward-representative")
+DEFAULT_WORKLOADS = "forward,train,decode"
 IMPLS = ("libkda", "fla-naive-chunk", "fla-naive-recurrent")
 
 
@@ -68,6 +74,8 @@ def build(workload, impl):
     lower_bound = -5.0
     if workload == "decode":
         N, T, H, K, V = 64, 1, 32, 128, 128
+    elif workload == "forward-representative":
+        N, T, H, K, V = 1, 8192, 32, 128, 128
     else:
         N, T, H, K, V = 1, 1024, 8, 128, 128
 
@@ -93,7 +101,7 @@ def build(workload, impl):
         ref = naive_chunk_kda if impl == "fla-naive-chunk" else naive_recurrent_kda
         return ref(qn, kn, v, decay, beta, initial_state=state, output_final_state=True)
 
-    if workload == "forward":
+    if workload.startswith("forward"):
         def call():
             with torch.no_grad():
                 forward(q, k, v, g, beta, A_log, dt_bias, state)
@@ -165,6 +173,8 @@ def child(workload, impl, mode, iters):
 def shape_of(workload):
     if workload == "decode":
         return "N=64 T=1 H=32 K=V=128 bf16, fp32 pool in place"
+    if workload == "forward-representative":
+        return "B=1 T=8192 H=32 K=V=128 bf16, gate in kernel (lower_bound=-5), qk l2norm"
     return "B=1 T=1024 H=8 K=V=128 bf16, gate in kernel (lower_bound=-5), qk l2norm" + (
         ", fwd+bwd" if workload == "train" else "")
 
@@ -173,7 +183,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default="")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "IMPL", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.iters < 1:
