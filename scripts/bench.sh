@@ -11,10 +11,16 @@ bash scripts/install_deps.sh
 cmake --preset release >/dev/null
 cmake --build --preset release --target kda-bench
 mkdir -p bench-results
+peers_failed=0
 if [ "${KDA_BENCH_PEERS:-1}" != "0" ]; then
   echo "== peers: pip install . (libkda.torch), then bench/peers.py"
   bash scripts/install_python_package.sh
-  (cd bench-results && "$PY" ../bench/peers.py --json peers.json)
+  # A failed peer run is reported and fails the job, after kda-bench has still run.
+  (cd bench-results && "$PY" ../bench/peers.py --json peers.json) || peers_failed=1
 fi
 echo "== kda-bench"
 ./build/release/bench/kda-bench --baseline --json bench-results/latest.json "$@"
+if [ "$peers_failed" = 1 ]; then
+  echo "scripts/bench.sh: bench/peers.py failed (its error is above the kda-bench output)" >&2
+  exit 1
+fi
