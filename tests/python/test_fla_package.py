@@ -233,11 +233,13 @@ def test_varlen_matches_fla_naive_per_sequence():
         check(f"d{name}", g[name], g_ref[name], g_peer[name], F32, False)
 
 
+@pytest.mark.parametrize("HV", [2, 4], ids=["HV=H", "HV=2H"])
 @pytest.mark.parametrize("chunk_size", [32, 64])
-def test_forward_matches_fla_naive_chunk(chunk_size):
-    """FLA's chunked reference (the chunk form libkda's kernels compute) at its own chunk size."""
-    B, T, H, HV, K, V = 2, 192, 2, 2, 64, 64
-    x = leaves(B, T, H, HV, K, V, seed=13)
+def test_forward_matches_fla_naive_chunk(chunk_size, HV):
+    """FLA's chunked reference (the chunk form libkda's kernels compute) at its own chunk size,
+    with and without grouped value heads."""
+    B, T, H, K, V = 2, 192, 2, 64, 48
+    x = leaves(B, T, H, HV, K, V, seed=13 + HV)
     low = {n: t.float() for n, t in x.items()}
     o_ref, s_ref = kt.chunk_kda(**x, output_final_state=True)
     o_peer, s_peer = naive_chunk_kda(**low, output_final_state=True, chunk_size=chunk_size)
