@@ -39,7 +39,12 @@ import sys
 import time
 import warnings
 
-WORKLOADS = ("forward", "train", "decode", "forward-representative")
+from report import peers_table  # bench/report.py, beside this script
+
+# (sequences N, tokens T, heads H) of each workload; K = V = 128 throughout.
+WORKLOAD_SHAPES = {"forward": (1, 1024, 8), "train": (1, 1024, 8), "decode": (64, 1, 32),
+                   "forward-representative": (1, 8192, 32)}
+WORKLOADS = tuple(WORKLOAD_SHAPES)
 DEFAULT_WORKLOADS = "forward,train,decode"
 IMPLS = ("libkda", "fla-naive-chunk", "fla-naive-recurrent")
 
@@ -72,12 +77,7 @@ def build(workload, impl):
     gen = torch.Generator().manual_seed(0)
     bf16 = torch.bfloat16
     lower_bound = -5.0
-    if workload == "decode":
-        N, T, H, K, V = 64, 1, 32, 128, 128
-    elif workload == "forward-representative":
-        N, T, H, K, V = 1, 8192, 32, 128, 128
-    else:
-        N, T, H, K, V = 1, 1024, 8, 128, 128
+    (N, T, H), K, V = WORKLOAD_SHAPES[workload], 128, 128
 
     def rnd(*shape, dtype=bf16):
         return torch.randn(*shape, generator=gen).to(dtype)
@@ -171,11 +171,10 @@ def child(workload, impl, mode, iters):
 
 
 def shape_of(workload):
+    N, T, H = WORKLOAD_SHAPES[workload]
     if workload == "decode":
-        return "N=64 T=1 H=32 K=V=128 bf16, fp32 pool in place"
-    if workload == "forward-representative":
-        return "B=1 T=8192 H=32 K=V=128 bf16, gate in kernel (lower_bound=-5), qk l2norm"
-    return "B=1 T=1024 H=8 K=V=128 bf16, gate in kernel (lower_bound=-5), qk l2norm" + (
+        return f"N={N} T={T} H={H} K=V=128 bf16, fp32 pool in place"
+    return f"B={N} T={T} H={H} K=V=128 bf16, gate in kernel (lower_bound=-5), qk l2norm" + (
         ", fwd+bwd" if workload == "train" else "")
 
 
@@ -207,25 +206,18 @@ def main():
                 print(e, file=sys.stderr)
                 return 1
             records.append(r)
-    ours = {r["workload"]: r for r in records if r["impl"] == "libkda"}
-    for r in records:
-        r["shape"] = shape_of(r["workload"])
-        r["libkda_speedup"] = r["median_ms"] / ours[r["workload"]]["median_ms"]
-    if a.json:  # kda-bench's record keys where they apply, so bench/report.py reads both
-        keep = [{"suite": "peers", "path": r["impl"], "shape": f"{r['workload']}: {r['shape']}", "dtype": "bf16",
-                 "median_ms": r["median_ms"], "min_ms": r["min_ms"], "max_ms": r["max_ms"],
-                 "peak_bytes": int(r["peak_extra_mb"] * 2**20), "iters": r["iters"],
-                 "libkda_speedup": r["libkda_speedup"], "threads": os.cpu_count()} for r in records]
+    ours = {r["workload"]: r["median_ms"] for r in records if r["impl"] == "libkda"}
+    # kda-bench's record keys where they apply, so bench/report.py reads both
+    keep = [{"suite": "peers", "path": r["impl"], "shape": f"{r['workload']}: {shape_of(r['workload'])}",
+             "dtype": "bf16", "median_ms": r["median_ms"], "min_ms": r["min_ms"], "max_ms": r["max_ms"],
+             "peak_bytes": int(r["peak_extra_mb"] * 2**20), "iters": r["iters"],
+             "libkda_speedup": r["median_ms"] / ours[r["workload"]], "threads": os.cpu_count()} for r in records]
+    if a.json:
         with open(a.json, "w") as f:
             json.dump(keep, f, indent=1)
     print(f"\nlibkda against FLA's CPU-runnable implementations (fla-core), {os.cpu_count()} CPUs, "
-          f"median of {a.iters} after a warm-up; peak = memory one call adds above its inputs\n")
-    print("| workload | implementation | median ms | min-max ms | peak MB | libkda faster by |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in records:
-        faster = "-" if r["impl"] == "libkda" else "%.1fx" % r["libkda_speedup"]
-        print(f"| {r['workload']}: {r['shape']} | {r['impl']} | {r['median_ms']:.1f} | {r['min_ms']:.1f}-"
-              f"{r['max_ms']:.1f} | {r['peak_extra_mb']:.1f} | {faster} |")
+          f"median of {a.iters} after a warm-up; peak = memory one call adds above its inputs")
+    print("\n".join(peers_table(keep)))
     return 0
 
 
