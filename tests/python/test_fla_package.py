@@ -104,13 +104,40 @@ def test_forward_matches_fla_naive_recurrent(shape, dtype):
     check("final_state", s, s_ref, s_peer, dtype, True)
 
 
-def grads_of(fn, inputs, cotangents):
-    """Runs fn(**inputs) -> (o, final_state) and backpropagates the cotangents; returns the
+def grads_of(fn, inputs, cot):
+    """Runs fn(**inputs) -> (o, final_state) and backpropagates the cotangents cot; returns the
     outputs and the gradients of every leaf that requires one."""
     o, s = fn(**inputs)
-    torch.autograd.backward([o, s], [cotangents[0].to(o.dtype), cotangents[1].to(s.dtype)])
+    torch.autograd.backward([o, s], [cot[0].to(o.dtype), cot[1].to(s.dtype)])
     leaves_with_grad = {n: t for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad}
     return o, s, {n: t.grad for n, t in leaves_with_grad.items()}
+
+
+def cotangents(gen, B, T, HV, K, V, N=None):
+    """float64 cotangents, drawn from gen, of o [B, T, HV, V] and of the final states [N, HV, K, V]
+    (N = B unless given: the sequences of a varlen batch)."""
+    N = B if N is None else N
+    return torch.randn(B, T, HV, V, generator=gen, dtype=F64), torch.randn(N, HV, K, V, generator=gen, dtype=F64)
+
+
+def check_with_gradients(peer, tensors, cot, final_state=True, common=None, ours=None, ours_fp32=None):
+    """The three-way check of o, the final state (with final_state) and the gradient of every
+    leaf: libkda's fp64 oracle and fp32 path (chunk_kda with `ours`; the fp32 path also with
+    `ours_fp32`) against FLA's `peer` in fp32. `common` goes to all three calls."""
+    common, ours, ours_fp32 = common or {}, ours or {}, ours_fp32 or {}
+
+    def run(fn, dtype, **kw):
+        inputs = {n: cast(t, dtype) for n, t in tensors.items() if t is not None}
+        return grads_of(lambda **a: fn(**a, output_final_state=True, **common, **kw), inputs, cot)
+
+    o_ref, s_ref, g_ref = run(kt.chunk_kda, F64, **ours)
+    o_peer, s_peer, g_peer = run(peer, F32)
+    o, s, g = run(kt.chunk_kda, F32, **ours, **ours_fp32)
+    check("o", o, o_ref, o_peer, F32, True)
+    if final_state:
+        check("final_state", s, s_ref, s_peer, F32, True)
+    for name in g_ref:
+        check(f"d{name}", g[name], g_ref[name], g_peer[name], F32, False)
 
 
 @pytest.mark.parametrize("disable_recompute", [False, True], ids=["remat", "saved"])
@@ -118,19 +145,9 @@ def grads_of(fn, inputs, cotangents):
 def test_gradients_match_fla_naive_recurrent(shape, disable_recompute):
     B, T, H, HV, K, V, scale, h0 = shape
     x = leaves(B, T, H, HV, K, V, seed=T * 17 + V, h0=h0)
-    gen = torch.Generator().manual_seed(T)
-    cot = (torch.randn(B, T, HV, V, generator=gen, dtype=F64), torch.randn(B, HV, K, V, generator=gen, dtype=F64))
-
-    def run(fn, dtype, **kw):
-        inputs = {n: cast(t, dtype) for n, t in x.items() if t is not None}
-        return grads_of(lambda **a: fn(**a, scale=scale, output_final_state=True, **kw), inputs, cot)
-
-    o_ref, s_ref, g_ref = run(kt.chunk_kda, F64)
-    o_peer, s_peer, g_peer = run(naive_recurrent_kda, F32)
-    o, s, g = run(kt.chunk_kda, F32, disable_recompute=disable_recompute)
-    check("o", o, o_ref, o_peer, F32, True)
-    for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], g_peer[name], F32, False)
+    cot = cotangents(torch.Generator().manual_seed(T), B, T, HV, K, V)
+    check_with_gradients(naive_recurrent_kda, x, cot, final_state=False, common=dict(scale=scale),
+                         ours_fp32=dict(disable_recompute=disable_recompute))
 
 
 @pytest.mark.parametrize("gate", ["softplus", "softplus-no-bias", "lower-bound", "lower-bound-no-A_log"])
@@ -147,7 +164,7 @@ def test_gate_in_kernel_matches_fla_gate_references(gate):
     if gate == "lower-bound-no-A_log":
         del params["A_log"]
     lower_bound = -5.0 if gate.startswith("lower-bound") else None
-    cot = (torch.randn(B, T, HV, V, generator=gen, dtype=F64), torch.randn(B, HV, K, V, generator=gen, dtype=F64))
+    cot = cotangents(gen, B, T, HV, K, V)
 
     def peer(g, A_log=None, dt_bias=None, **rest):
         if lower_bound is None:
@@ -156,18 +173,8 @@ def test_gate_in_kernel_matches_fla_gate_references(gate):
             decay = naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound=lower_bound)
         return naive_recurrent_kda(g=decay, **rest)
 
-    def run(fn, dtype, **kw):
-        inputs = {n: cast(t, dtype) for n, t in {**x, **params}.items() if t is not None}
-        return grads_of(lambda **a: fn(**a, output_final_state=True, **kw), inputs, cot)
-
-    ours = dict(use_gate_in_kernel=True, lower_bound=lower_bound, safe_gate=lower_bound is not None)
-    o_ref, s_ref, g_ref = run(kt.chunk_kda, F64, **ours)
-    o_peer, s_peer, g_peer = run(peer, F32)
-    o, s, g = run(kt.chunk_kda, F32, **ours)
-    check("o", o, o_ref, o_peer, F32, True)
-    check("final_state", s, s_ref, s_peer, F32, True)
-    for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], g_peer[name], F32, False)
+    check_with_gradients(peer, {**x, **params}, cot,
+                         ours=dict(use_gate_in_kernel=True, lower_bound=lower_bound, safe_gate=lower_bound is not None))
 
 
 @pytest.mark.parametrize("allow_neg_eigval", [False, True])
@@ -180,23 +187,15 @@ def test_l2norm_and_beta_sigmoid_in_kernel_match_fla_applied_outside(allow_neg_e
     x["q"] = torch.randn(B, T, H, K, generator=gen, dtype=F64) * 3  # not unit norm: the l2norm matters
     x["k"] = torch.randn(B, T, H, K, generator=gen, dtype=F64) * 3
     x["beta"] = torch.randn(B, T, HV, generator=gen, dtype=F64)  # logits
-    cot = (torch.randn(B, T, HV, V, generator=gen, dtype=F64), torch.randn(B, HV, K, V, generator=gen, dtype=F64))
+    cot = cotangents(gen, B, T, HV, K, V)
     c = 2.0 if allow_neg_eigval else 1.0
 
     def peer(q, k, beta, **rest):
         return naive_recurrent_kda(q=F.normalize(q, dim=-1), k=F.normalize(k, dim=-1), beta=c * beta.sigmoid(), **rest)
 
-    def run(fn, dtype, **kw):
-        inputs = {n: cast(t, dtype) for n, t in x.items() if t is not None}
-        return grads_of(lambda **a: fn(**a, output_final_state=True, **kw), inputs, cot)
-
-    ours = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=allow_neg_eigval)
-    o_ref, s_ref, g_ref = run(kt.chunk_kda, F64, **ours)
-    o_peer, s_peer, g_peer = run(peer, F32)
-    o, s, g = run(kt.chunk_kda, F32, **ours)
-    check("o", o, o_ref, o_peer, F32, True)
-    for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], g_peer[name], F32, False)
+    check_with_gradients(peer, x, cot, final_state=False,
+                         ours=dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                   allow_neg_eigval=allow_neg_eigval))
 
 
 def test_varlen_matches_fla_naive_per_sequence():
@@ -207,7 +206,7 @@ def test_varlen_matches_fla_naive_per_sequence():
     x = leaves(1, T, H, HV, K, V, seed=11, h0=False)
     gen = torch.Generator().manual_seed(12)
     x["initial_state"] = torch.randn(N, HV, K, V, generator=gen, dtype=F64)
-    cot = (torch.randn(1, T, HV, V, generator=gen, dtype=F64), torch.randn(N, HV, K, V, generator=gen, dtype=F64))
+    cot = cotangents(gen, 1, T, HV, K, V, N=N)
 
     def peer(q, k, v, g, beta, initial_state, output_final_state):
         outs, states = [], []
@@ -219,18 +218,7 @@ def test_varlen_matches_fla_naive_per_sequence():
             states.append(s_i)
         return torch.cat(outs, 1), torch.cat(states, 0)
 
-    def run(fn, dtype, **kw):
-        inputs = {n: cast(t, dtype) for n, t in x.items()}
-        return grads_of(lambda **a: fn(**a, output_final_state=True, **kw), inputs, cot)
-
-    cu_t = torch.tensor(cu, dtype=torch.long)
-    o_ref, s_ref, g_ref = run(kt.chunk_kda, F64, cu_seqlens=cu_t)
-    o_peer, s_peer, g_peer = run(peer, F32)
-    o, s, g = run(kt.chunk_kda, F32, cu_seqlens=cu_t)
-    check("o", o, o_ref, o_peer, F32, True)
-    check("final_state", s, s_ref, s_peer, F32, True)
-    for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], g_peer[name], F32, False)
+    check_with_gradients(peer, x, cot, ours=dict(cu_seqlens=torch.tensor(cu, dtype=torch.long)))
 
 
 @pytest.mark.parametrize("HV", [2, 4], ids=["HV=H", "HV=2H"])
