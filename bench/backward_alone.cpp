@@ -3,11 +3,13 @@
 // with lower_bound = -5, qk l2norm), for side-by-side A/B runs of one kernel: kda-bench times the
 // training step as a whole. The forward runs once first to fill the residual.
 //
-//   kda-backward-alone [backward|forward] [--head-first] [--v-new] [--iters N] [--tokens T] [--heads H]
+//   kda-backward-alone [backward|forward] [--residual] [--head-first] [--v-new] [--iters N] [--tokens T] [--heads H]
 //
 // --head-first lays q, k, v, g, d_o and the gradients out as [B, H, T, D] (rows of one head
 // contiguous, which the hardware prefetcher streams): the bound for token-row prefetching.
 // --v-new adds the forward's v_new to the residual (the backward reads Vn instead of forming it).
+// --residual: the forward alone writes the residual too (chunk states, and v_new with --v-new), as
+// the forward of a training step does.
 // Prints the min and median milliseconds.
 #include <algorithm>
 #include <chrono>
@@ -44,7 +46,7 @@ void check(const kda::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool backward = true, head_first_layout = false, with_v_new = false;
+  bool backward = true, head_first_layout = false, with_v_new = false, residual = false;
   int iters = 5;
   std::int64_t T = 8192, H = 32;
   for (int i = 1; i < argc; ++i) {
@@ -53,6 +55,8 @@ int main(int argc, char** argv) {
       backward = true;
     else if (a == "forward")
       backward = false;
+    else if (a == "--residual")
+      residual = true;
     else if (a == "--head-first")
       head_first_layout = true;
     else if (a == "--v-new")
@@ -64,9 +68,10 @@ int main(int argc, char** argv) {
     else if (a == "--heads" && i + 1 < argc)
       H = std::max(1, std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr,
-                   "usage: kda-backward-alone [backward|forward] [--head-first] [--v-new] [--iters N] [--tokens T] "
-                   "[--heads H]\n");
+      std::fprintf(
+          stderr,
+          "usage: kda-backward-alone [backward|forward] [--residual] [--head-first] [--v-new] [--iters N] [--tokens T] "
+          "[--heads H]\n");
       return 2;
     }
   }
@@ -90,9 +95,10 @@ int main(int argc, char** argv) {
   std::int64_t nc = 0;
   check(kda::forward_chunk_count(f, &nc));
   Tensor states(f32, {nc, H, K, V});
-  if (backward) f.chunk_states = states.view;  // the forward alone is timed without a residual
+  const bool keep = backward || residual;  // the forward alone is timed without a residual unless asked
+  if (keep) f.chunk_states = states.view;
   Tensor v_new(f32, {B, T, H, V});
-  if (backward && with_v_new) f.v_new = v_new.view;
+  if (keep && with_v_new) f.v_new = v_new.view;
   Tensor d_o = token_rows({B, T, H, V}), dq = token_rows({B, T, H, K}), dk = token_rows({B, T, H, K}),
          dv = token_rows({B, T, H, V}), dg = token_rows({B, T, H, K});
   Tensor dht(f32, {B, H, K, V}), dbeta(bf16, {B, T, H}), dh0(f32, {B, H, K, V}), dA_log(f32, {H}),
