@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kda/kda.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -193,8 +195,16 @@ kda::Options options_of(float scale, float lower_bound, std::int64_t flags, std:
 }
 
 // The forward's operands: q, k, v, g, beta and the present optional ones.
+// A buffer with the rank of its core (the dims after the leading vmap dims).
+using Ranked = std::pair<const Dense*, int>;
+
 struct ForwardOperands {
   Dense q, k, v, g, beta, a_log, dt_bias, segment_ids, initial_state;
+  std::vector<Ranked> ranked() const {
+    return {{&q, 4},       {&k, 4},           {&v, 4},
+            {&g, 4},       {&beta, 3},        {&a_log, 1},
+            {&dt_bias, 1}, {&segment_ids, 2}, {&initial_state, 5}};
+  }
 };
 
 }  // namespace
@@ -267,25 +277,24 @@ ffi::Error read_forward_operands(const ffi::RemainingArgs& args, std::size_t* id
 // The leading (vmap) dims of the call: the same number on every buffer; per dim, operands have
 // the full size or 1 (broadcast: ffi_call vmap_method="expand_dims" leaves unmapped operands
 // at size 1, so they are never copied); results must have the full size.
-ffi::Error leading(std::initializer_list<std::pair<const Dense*, int>> operands,
-                   std::initializer_list<std::pair<const Dense*, int>> results, Lead* L) {
+ffi::Error leading(const std::vector<Ranked>& operands, std::initializer_list<Ranked> results, Lead* L) {
   int n = -1;
-  for (const auto* group : {&operands, &results}) {
-    for (const auto& [d, core] : *group) {
-      if (!d->defined()) continue;
-      const int l = d->rank - core;
-      if (n < 0) {
-        n = l;
-        if (n > 4) return invalid("at most 4 leading (vmap) dims");
-        for (int i = 0; i < n; ++i) L->dims[i] = 1;
-      } else if (l != n) {
-        return invalid("operands disagree on the number of leading (vmap) dims");
-      }
-      for (int i = 0; i < n; ++i) {
-        if (d->dims[i] == 1) continue;
-        if (L->dims[i] != 1 && L->dims[i] != d->dims[i]) return invalid("operands disagree on the leading (vmap) dims");
-        L->dims[i] = d->dims[i];
-      }
+  std::vector<Ranked> all = operands;
+  all.insert(all.end(), results.begin(), results.end());
+  for (const auto& [d, core] : all) {
+    if (!d->defined()) continue;
+    const int l = d->rank - core;
+    if (n < 0) {
+      n = l;
+      if (n > 4) return invalid("at most 4 leading (vmap) dims");
+      for (int i = 0; i < n; ++i) L->dims[i] = 1;
+    } else if (l != n) {
+      return invalid("operands disagree on the number of leading (vmap) dims");
+    }
+    for (int i = 0; i < n; ++i) {
+      if (d->dims[i] == 1) continue;
+      if (L->dims[i] != 1 && L->dims[i] != d->dims[i]) return invalid("operands disagree on the leading (vmap) dims");
+      L->dims[i] = d->dims[i];
     }
   }
   L->n = n < 0 ? 0 : n;
@@ -347,16 +356,7 @@ ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, floa
   if (present & kHasVNew) KDA_FFI_TRY(take(rets, &ri, "v_new", 4, &v_new, shims.next(), get_ret));
 
   Lead L;
-  KDA_FFI_TRY(leading({{&f.q, 4},
-                       {&f.k, 4},
-                       {&f.v, 4},
-                       {&f.g, 4},
-                       {&f.beta, 3},
-                       {&f.a_log, 1},
-                       {&f.dt_bias, 1},
-                       {&f.segment_ids, 2},
-                       {&f.initial_state, 5}},
-                      {{&o, 4}, {&final_state, 5}, {&chunk_states, 4}, {&v_new, 4}}, &L));
+  KDA_FFI_TRY(leading(f.ranked(), {{&o, 4}, {&final_state, 5}, {&chunk_states, 4}, {&v_new, 4}}, &L));
   const kda::Options opt = options_of(scale, lower_bound, flags, chunk_size);
   const bool seg = f.segment_ids.defined();
   for (std::int64_t li = 0; li < L.count; ++li) {
@@ -404,21 +404,10 @@ ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, flo
   if (present & kWantDdtBias) KDA_FFI_TRY(take(rets, &ri, "d_delta_time_bias", 1, &ddt_bias, shims.next(), get_ret));
 
   Lead L;
-  KDA_FFI_TRY(leading({{&f.q, 4},
-                       {&f.k, 4},
-                       {&f.v, 4},
-                       {&f.g, 4},
-                       {&f.beta, 3},
-                       {&f.a_log, 1},
-                       {&f.dt_bias, 1},
-                       {&f.segment_ids, 2},
-                       {&f.initial_state, 5},
-                       {&chunk_states, 4},
-                       {&v_new, 4},
-                       {&d_o, 4},
-                       {&d_final_state, 5}},
-                      {{&dq, 4}, {&dk, 4}, {&dv, 4}, {&dg, 4}, {&dbeta, 3}, {&dh0, 5}, {&da_log, 1}, {&ddt_bias, 1}},
-                      &L));
+  std::vector<Ranked> operands = f.ranked();
+  operands.insert(operands.end(), {{&chunk_states, 4}, {&v_new, 4}, {&d_o, 4}, {&d_final_state, 5}});
+  KDA_FFI_TRY(leading(
+      operands, {{&dq, 4}, {&dk, 4}, {&dv, 4}, {&dg, 4}, {&dbeta, 3}, {&dh0, 5}, {&da_log, 1}, {&ddt_bias, 1}}, &L));
   const kda::Options opt = options_of(scale, lower_bound, flags, chunk_size);
   const bool seg = f.segment_ids.defined();
   for (std::int64_t li = 0; li < L.count; ++li) {
