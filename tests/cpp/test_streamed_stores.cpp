@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "test_util.hpp"
@@ -32,9 +34,8 @@ struct ShiftedTensor {
   }
 };
 
-struct Step {
-  std::vector<double> o, states, v_new, dq, dk, dv, dg;
-};
+// Every output of a training step, by name.
+using Step = std::vector<std::pair<std::string, std::vector<double>>>;
 
 // Forward with the saved states and v_new, then the backward, every output `shift` bytes off a
 // 64-byte boundary.
@@ -60,7 +61,10 @@ Step training_step(const Case& c, const Inputs& in, const Cotangents& ct, std::s
   bp.dq = dq.view, bp.dk = dk.view, bp.dv = dv.view, bp.dg = dg.view;
   s = chunk_backward(bp);
   EXPECT_TRUE(s.ok()) << s.message();
-  return {o.values(), states.values(), v_new.values(), dq.values(), dk.values(), dv.values(), dg.values()};
+  return {{"o", o.values()},         {"chunk_states", states.values()},
+          {"v_new", v_new.values()}, {"dq", dq.values()},
+          {"dk", dk.values()},       {"dv", dv.values()},
+          {"dg", dg.values()}};
 }
 
 TEST(Exact, StreamedStoresEqualOrdinaryStoresBitwise) {
@@ -69,13 +73,8 @@ TEST(Exact, StreamedStoresEqualOrdinaryStoresBitwise) {
   const Inputs in = make_inputs(c);
   const Cotangents ct = make_cotangents(c, 7);
   const Step aligned = training_step(c, in, ct, 0), shifted = training_step(c, in, ct, 4);
-  expect_bitwise(aligned.o, shifted.o, "o");
-  expect_bitwise(aligned.states, shifted.states, "chunk_states");
-  expect_bitwise(aligned.v_new, shifted.v_new, "v_new");
-  expect_bitwise(aligned.dq, shifted.dq, "dq");
-  expect_bitwise(aligned.dk, shifted.dk, "dk");
-  expect_bitwise(aligned.dv, shifted.dv, "dv");
-  expect_bitwise(aligned.dg, shifted.dg, "dg");
+  for (std::size_t i = 0; i < aligned.size(); ++i)
+    expect_bitwise(aligned[i].second, shifted[i].second, aligned[i].first);
 }
 
 }  // namespace
