@@ -194,10 +194,10 @@ kda::Options options_of(float scale, float lower_bound, std::int64_t flags, std:
   return opt;
 }
 
-// The forward's operands: q, k, v, g, beta and the present optional ones.
 // A buffer with the rank of its core (the dims after the leading vmap dims).
 using Ranked = std::pair<const Dense*, int>;
 
+// The forward's operands: q, k, v, g, beta and the present optional ones.
 struct ForwardOperands {
   Dense q, k, v, g, beta, a_log, dt_bias, segment_ids, initial_state;
   std::vector<Ranked> ranked() const {
