@@ -67,15 +67,23 @@ Step training_step(const Case& c, const Inputs& in, const Cotangents& ct, std::s
           {"dg", dg.values()}};
 }
 
-TEST(Exact, StreamedStoresEqualOrdinaryStoresBitwise) {
+class StreamedStores : public ::testing::TestWithParam<DType> {};
+
+// bf16 and fp16 outputs and gradients (their lines go through store_row's conversion); the fp32
+// chunk states and v_new in both.
+TEST_P(StreamedStores, EqualOrdinaryStoresBitwise) {
   Case c = long_bf16_case(8192, true);  // o and each gradient 16 MB, chunk states 64 MB, v_new 32 MB
   c.H = c.HV = 8;
+  c.dtype = GetParam();
   const Inputs in = make_inputs(c);
   const Cotangents ct = make_cotangents(c, 7);
   const Step aligned = training_step(c, in, ct, 0), shifted = training_step(c, in, ct, 4);
   for (std::size_t i = 0; i < aligned.size(); ++i)
     expect_bitwise(aligned[i].second, shifted[i].second, aligned[i].first);
 }
+
+INSTANTIATE_TEST_SUITE_P(Exact, StreamedStores, ::testing::Values(DType::kBF16, DType::kF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 }  // namespace
 }  // namespace kda::test
