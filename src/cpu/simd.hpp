@@ -5,7 +5,7 @@
 // has internal linkage: no inline function compiled for AVX-512 can leak into the generic
 // target through the linker.
 //
-// Not included anywhere else. Needs <cstring> and <cstdint> before the enclosing namespace.
+// Not included anywhere else. Needs <cstring>, <cstdint> and <type_traits> before the enclosing namespace.
 
 // Functions whose results must be bitwise equal on every path that computes them (the fused and
 // staged forwards, the backward's recomputation, saved and rebuilt states) are compiled once
@@ -287,15 +287,30 @@ enum class Tri : std::uint8_t {
   kCLower,  // only C(i, j) for j <= i is needed (columns up to the row's 16-column tile)
 };
 
+// Rows of C per register tile for a product n columns wide. fp32 FMAs: 6 rows x 64 columns (24 of
+// the 32 vector registers), each B vector loaded serving 6 FMAs. bf16 dot products: 2 rows x 64
+// columns, or 4 x 32 when n < 64: fewer accumulators issue faster there, most where kd is short
+// and the C tile's load and store weigh most. Measured alone on one thread (a throwaway
+// microbenchmark of gemm_tile, fourteenth session, docs/PERF.md), GFLOP/s of 6 x 4 against the
+// tile chosen here: the state update (128 x 128, 8 pairs) 130 -> 170, the dS update (16 pairs)
+// 167 -> 195, the 16-row products (64 pairs) 211 -> 220, a 128 x 32 product 199 -> 217; fp32
+// gained nothing from smaller tiles (2 x 4 ran at half speed). The tile changes only which
+// elements are computed together, never an element's sum, so results are bitwise the same.
+template <typename Op>
+static inline int gemm_tile_rows(std::int64_t n) {
+  if constexpr (std::is_same_v<Op, F32Fma>)
+    return 6;
+  else
+    return n >= 4 * kLanes ? 2 : n >= 2 * kLanes ? 4 : 6;
+}
+
 template <typename Op = F32Fma>
 static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
                         Tri tri = Tri::kFull, const float* c_scale = nullptr, const float* c_src = nullptr) {
-  // 6 rows x 64 columns of accumulators (24 of the 32 vector registers): each B vector loaded
-  // serves 6 FMAs.
-  constexpr int kMR = 6;
-  for (std::int64_t i = 0; i < m; i += kMR) {
-    const std::int64_t mr = m - i < kMR ? m - i : kMR;
+  const std::int64_t rows = gemm_tile_rows<Op>(n);
+  for (std::int64_t i = 0; i < m; i += rows) {
+    const std::int64_t mr = m - i < rows ? m - i : rows;
     std::int64_t p0 = 0, p1 = kd, ni = n;
     if (tri == Tri::kALower) p1 = i + mr < kd ? i + mr : kd;
     if (tri == Tri::kAUpper) p0 = i < kd ? i : kd;
