@@ -287,19 +287,19 @@ enum class Tri : std::uint8_t {
   kCLower,  // only C(i, j) for j <= i is needed (columns up to the row's 16-column tile)
 };
 
-// Rows of C per register tile for a product n columns wide. fp32 FMAs: 6 rows x 64 columns (24 of
-// the 32 vector registers), each B vector loaded serving 6 FMAs. bf16 dot products: 2 rows x 64
-// columns, or 4 x 32 when n < 64: fewer accumulators issue faster there, most where kd is short
-// and the C tile's load and store weigh most. Measured alone on one thread (a throwaway
-// microbenchmark of gemm_tile, fourteenth session, docs/PERF.md), GFLOP/s of 6 x 4 against the
-// tile chosen here: the state update (128 x 128, 8 pairs) 130 -> 170, the dS update (16 pairs)
-// 167 -> 195, the 16-row products (64 pairs) 211 -> 220, a 128 x 32 product 199 -> 217; fp32
-// gained nothing from smaller tiles (2 x 4 ran at half speed). The tile changes only which
-// elements are computed together, never an element's sum, so results are bitwise the same.
+// Rows of C per register tile for a product n columns wide: fewer accumulators issue faster where
+// the C tile's load and store weigh most (short kd). fp32 FMAs: 4 rows x 64 columns, or 6 rows
+// (each B vector serving 6 FMAs) when n < 64; bf16 dot products: 2 rows x 64 columns, or 4 x 32.
+// Measured alone on one thread (a throwaway microbenchmark of gemm_tile, fourteenth session,
+// docs/PERF.md), GFLOP/s of the former 6-row tiles against these: bf16, the state update
+// (128 x 128, 8 pairs) 130 -> 170, the dS update (16 pairs) 167 -> 195, the 16-row products
+// (64 pairs) 211 -> 220, a 128 x 32 product 199 -> 217; fp32, 32 x 128 x 16 81 -> 92, 128 x 128 x
+// 16 83 -> 92, 16 x 128 x 128 105 -> 111. (2 x 64 fp32 tiles ran at half speed.) The tile changes
+// only which elements are computed together, never an element's sum: results are bitwise the same.
 template <typename Op>
 static inline int gemm_tile_rows(std::int64_t n) {
   if constexpr (std::is_same_v<Op, F32Fma>)
-    return 6;
+    return n >= 4 * kLanes ? 4 : 6;
   else
     return n >= 4 * kLanes ? 2 : n >= 2 * kLanes ? 4 : 6;
 }
