@@ -287,15 +287,16 @@ enum class Tri : std::uint8_t {
   kCLower,  // only C(i, j) for j <= i is needed (columns up to the row's 16-column tile)
 };
 
-// Rows of C per register tile for a product n columns wide: fewer accumulators issue faster where
-// the C tile's load and store weigh most (short kd). fp32 FMAs: 4 rows x 64 columns, or 6 rows
-// (each B vector serving 6 FMAs) when n < 64; bf16 dot products: 2 rows x 64 columns, or 4 x 32.
-// Measured alone on one thread (a throwaway microbenchmark of gemm_tile, fourteenth session,
-// docs/PERF.md), GFLOP/s of the former 6-row tiles against these: bf16, the state update
-// (128 x 128, 8 pairs) 130 -> 170, the dS update (16 pairs) 167 -> 195, the 16-row products
-// (64 pairs) 211 -> 220, a 128 x 32 product 199 -> 217; fp32, 32 x 128 x 16 81 -> 92, 128 x 128 x
-// 16 83 -> 92, 16 x 128 x 128 105 -> 111. (2 x 64 fp32 tiles ran at half speed.) The tile changes
-// only which elements are computed together, never an element's sum: results are bitwise the same.
+// Rows of C per register tile for a product n columns wide. fp32 FMAs: 4 rows x 64 columns, or 6
+// rows (each B vector serving 6 FMAs) when n < 64; bf16 dot products: 2 rows x 64 columns, or
+// 4 x 32. Fewer accumulators than the former 6 x 64 tiles everywhere: the products here are short
+// (kd of 8 to 256), so the C tile's load and store weigh, and smaller tiles let them overlap the
+// next tile's work. Measured end to end against 6-row tiles (kda-backward-alone, alternated, docs/
+// PERF.md, fourteenth session): the forward and the backward each about 4% faster; 4 x 32 bf16 tiles
+// instead of 2 x 64 lost 2-3% of that on the backward. kda-gemm-tiles times each product alone
+// per tile, though on this machine its single-product figures move by up to 20% between runs.
+// The tile changes only which elements are computed together, never an element's sum, so
+// results are bitwise the same.
 template <typename Op>
 static inline int gemm_tile_rows(std::int64_t n) {
   if constexpr (std::is_same_v<Op, F32Fma>)
