@@ -50,12 +50,24 @@ __attribute__((noinline)) void six_row_gemm(std::int64_t m, std::int64_t n, std:
       gemm_rows<decltype(r)::value, Op>(n, kd, a + i * ars, ars, acs, b, n, c + i * n, n, 1e-3f, cs, nullptr);
     };
     switch (mr) {
-      case 6: rows(std::integral_constant<int, 6>()); break;
-      case 5: rows(std::integral_constant<int, 5>()); break;
-      case 4: rows(std::integral_constant<int, 4>()); break;
-      case 3: rows(std::integral_constant<int, 3>()); break;
-      case 2: rows(std::integral_constant<int, 2>()); break;
-      default: rows(std::integral_constant<int, 1>()); break;
+      case 6:
+        rows(std::integral_constant<int, 6>());
+        break;
+      case 5:
+        rows(std::integral_constant<int, 5>());
+        break;
+      case 4:
+        rows(std::integral_constant<int, 4>());
+        break;
+      case 3:
+        rows(std::integral_constant<int, 3>());
+        break;
+      case 2:
+        rows(std::integral_constant<int, 2>());
+        break;
+      default:
+        rows(std::integral_constant<int, 1>());
+        break;
     }
   }
 }

@@ -235,7 +235,17 @@ struct Bf16Dot {
 // read. With c_scale, row i of C is first scaled by c_scale[i] (C = diag(c_scale) C + alpha A B),
 // which saves the state update a separate pass over the state. With c_src (same ldc), the C added
 // to is read from there instead (C = diag(c_scale) C_src + alpha A B), which saves a copy when the
-// old state must survive. Register-blocked: MR rows x NV vectors of accumulators.
+// old state must survive; with c_src = kFromZero, C starts from zeros in registers (0 + alpha A B,
+// bitwise what zeroing C first gives) and its old contents are neither read nor kept, which saves
+// zeroing scratch before a product. Register-blocked: MR rows x NV vectors of accumulators.
+static const float kFromZeroTag[1] = {0.0f};
+static const float* const kFromZero = kFromZeroTag;  // compared, never read
+
+// c_src + offset, keeping null and kFromZero as they are.
+static inline const float* offset_src(const float* c_src, std::int64_t offset) {
+  return c_src && c_src != kFromZero ? c_src + offset : c_src;
+}
+
 template <int MR, int NV, typename Op>
 static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int64_t ars, std::int64_t acs,
                              const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
@@ -252,12 +262,13 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
     }
   }
   const vf al = vsplat(alpha);
-  const float* src = c_src ? c_src : c;
+  const bool from_zero = c_src == kFromZero;
+  const float* src = c_src && !from_zero ? c_src : c;
   for (int r = 0; r < MR; ++r) {
     const vf cs = vsplat(c_scale ? c_scale[r] : 1.0f);
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kLanes;
-      const vf old = vload(src + r * ldc + v * kLanes);
+      const vf old = from_zero ? vsplat(0.0f) : vload(src + r * ldc + v * kLanes);
       if (c_scale)
         vstore(cp, old * cs + al * acc[r][v]);
       else
@@ -271,7 +282,7 @@ static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op:
                              std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
                              float alpha, const float* c_scale, const float* c_src) {
   std::int64_t j = 0;
-  auto src = [&](std::int64_t col) { return c_src ? c_src + col : nullptr; };
+  auto src = [&](std::int64_t col) { return offset_src(c_src, col); };
   for (; j + 4 * kLanes <= n; j += 4 * kLanes)
     gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
   for (; j + 2 * kLanes <= n; j += 2 * kLanes)
@@ -324,7 +335,7 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
     float* ci = c + i * ldc;
     const std::int64_t kdi = p1 - p0;
     const float* cs = c_scale ? c_scale + i : nullptr;
-    const float* si = c_src ? c_src + i * ldc : nullptr;
+    const float* si = offset_src(c_src, i * ldc);
     switch (mr) {
       case 6:
         gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
