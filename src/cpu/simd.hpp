@@ -237,7 +237,11 @@ struct Bf16Dot {
 // to is read from there instead (C = diag(c_scale) C_src + alpha A B), which saves a copy when the
 // old state must survive; with c_src = kFromZero, C starts from zeros in registers (0 + alpha A B,
 // bitwise what zeroing C first gives) and its old contents are neither read nor kept, which saves
-// zeroing scratch before a product. Register-blocked: MR rows x NV vectors of accumulators.
+// zeroing scratch before a product. Register-blocked: MR rows x NV vectors of accumulators. Every
+// loop over the tile is unrolled by pragma: left to itself GCC 12 kept the accumulators in a stack
+// array around the epilogue (36-48 stack accesses per call in the 4 x 4 tiles); unrolled, they stay
+// in registers (none), and the forward ran 5-8% and the backward 2-3% faster (fourteenth session,
+// docs/PERF.md).
 static const float kFromZeroTag[1] = {0.0f};
 static const float* const kFromZero = kFromZeroTag;  // compared, never read
 
@@ -251,21 +255,28 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
                              const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
                              const float* c_scale, const float* c_src) {
   vf acc[MR][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[r][v] = vsplat(0.0f);
   for (std::int64_t p = 0; p < kd; ++p) {
     vf bv[NV];
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) bv[v] = vload(b + p * ldb + v * kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const typename Op::A av = a[r * ars + p * acs];
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] = Op::step(acc[r][v], av, bv[v]);
     }
   }
   const vf al = vsplat(alpha);
   const bool from_zero = c_src == kFromZero;
   const float* src = c_src && !from_zero ? c_src : c;
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     const vf cs = vsplat(c_scale ? c_scale[r] : 1.0f);
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kLanes;
       const vf old = from_zero ? vsplat(0.0f) : vload(src + r * ldc + v * kLanes);
@@ -298,22 +309,21 @@ enum class Tri : std::uint8_t {
   kCLower,  // only C(i, j) for j <= i is needed (columns up to the row's 16-column tile)
 };
 
-// Rows of C per register tile for a product n columns wide. fp32 FMAs: 4 rows x 64 columns, or 6
-// rows (each B vector serving 6 FMAs) when n < 64; bf16 dot products: 2 rows x 64 columns, or
-// 4 x 32. Fewer accumulators than the former 6 x 64 tiles everywhere: the products here are short
-// (kd of 8 to 256), so the C tile's load and store weigh, and smaller tiles let them overlap the
-// next tile's work. Measured end to end against 6-row tiles (kda-backward-alone, alternated, docs/
-// PERF.md, fourteenth session): the forward and the backward each about 4% faster; 4 x 32 bf16 tiles
-// instead of 2 x 64 lost 2-3% of that on the backward. kda-gemm-tiles times each product alone
-// per tile, though on this machine its single-product figures move by up to 20% between runs.
-// The tile changes only which elements are computed together, never an element's sum, so
-// results are bitwise the same.
+// Rows of C per register tile for a product n columns wide: 4 rows x up to 64 columns (16
+// accumulators), or 6 rows (each B vector serving 6 steps) for products narrower than 32 columns
+// (fp32: 64). The products here are short (8 to 256 terms per element), so the C tile's load and
+// store weigh, and tiles smaller than the former 6 x 64 let them overlap the next tile's work:
+// measured end to end (kda-backward-alone, alternated, docs/PERF.md, fourteenth session), smaller
+// tiles made the forward and the backward each about 4% faster. kda-gemm-tiles times every
+// product shape through each tile, though on this machine its single-product figures move by up
+// to 20% between runs. The tile changes only which elements are computed together, never an
+// element's sum, so results are bitwise the same.
 template <typename Op>
 static inline int gemm_tile_rows(std::int64_t n) {
   if constexpr (std::is_same_v<Op, F32Fma>)
     return n >= 4 * kLanes ? 4 : 6;
   else
-    return n >= 4 * kLanes ? 2 : n >= 2 * kLanes ? 4 : 6;
+    return n >= 2 * kLanes ? 4 : 6;
 }
 
 template <typename Op = F32Fma>
