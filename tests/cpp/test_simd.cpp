@@ -3,11 +3,14 @@
 // bitwise equal to each other.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
+#include <vector>
 
 namespace {
 #include "cpu/simd.hpp"
@@ -37,6 +40,81 @@ TEST(Simd, Vsum8IsBitwiseEightVsums) {
     for (int i = 0; i < 8; ++i)
       ASSERT_EQ(bits(got[i]), bits(vsum(v[i])))
           << "trial " << trial << ", vector " << i << ": " << got[i] << " vs " << vsum(v[i]);
+  }
+}
+
+struct GemmShape {
+  std::int64_t m, n, kd;
+  Tri tri;
+  bool scaled;
+};
+
+// Shapes of the kernels' products (16-token blocks, K = V = 128) and odd ones: narrow, wide,
+// partial tiles, triangular operands and outputs, the state update's row scaling.
+const GemmShape kGemmShapes[] = {
+    {16, 16, 128, Tri::kFull, false}, {16, 128, 16, Tri::kAUpper, false}, {16, 16, 256, Tri::kCLower, false},
+    {32, 128, 16, Tri::kFull, false}, {128, 128, 16, Tri::kFull, true},   {5, 48, 7, Tri::kALower, false},
+    {13, 80, 33, Tri::kFull, true},   {64, 64, 64, Tri::kCLower, false},
+};
+
+// Operands with rounding-sensitive magnitudes; the first two rows of A are zero (their products
+// are zeros, whose sign the kFromZero contract covers).
+void fill_operands(std::mt19937& rng, std::vector<float>& a, std::vector<float>& b, std::vector<float>& s) {
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> expo(-20, 20);
+  for (auto& x : a) x = std::ldexp(uni(rng), expo(rng));
+  for (auto& x : b) x = std::ldexp(uni(rng), expo(rng));
+  for (auto& x : s) x = std::fabs(uni(rng));
+}
+
+// Whether gemm writes C(i, j) for this shape (kCLower leaves columns past the row tile alone).
+bool written(const GemmShape& g, std::int64_t i, std::int64_t j) {
+  return g.tri != Tri::kCLower || j <= i;
+}
+
+// c_src = kFromZero gives bitwise what zeroing C first gives (signed zeros included), and reads
+// nothing of C: it starts full of NaN here.
+TEST(Simd, GemmFromZeroIsBitwiseGemmIntoZeros) {
+  std::mt19937 rng(11);
+  for (const GemmShape& g : kGemmShapes) {
+    std::vector<float> a(g.m * g.kd), b(g.kd * g.n), scale(g.m);
+    fill_operands(rng, a, b, scale);
+    std::fill(a.begin(), a.begin() + std::min<std::int64_t>(2 * g.kd, a.size()), 0.0f);
+    const float* cs = g.scaled ? scale.data() : nullptr;
+    for (float alpha : {1.0f, -1.0f}) {
+      std::vector<float> zeroed(g.m * g.n, 0.0f), from_zero(g.m * g.n, std::numeric_limits<float>::quiet_NaN());
+      gemm(g.m, g.n, g.kd, a.data(), g.kd, 1, b.data(), g.n, zeroed.data(), g.n, alpha, g.tri, cs);
+      gemm(g.m, g.n, g.kd, a.data(), g.kd, 1, b.data(), g.n, from_zero.data(), g.n, alpha, g.tri, cs, kFromZero);
+      for (std::int64_t i = 0; i < g.m; ++i)
+        for (std::int64_t j = 0; j < g.n; ++j)
+          if (written(g, i, j))
+            ASSERT_EQ(bits(from_zero[i * g.n + j]), bits(zeroed[i * g.n + j]))
+                << g.m << " x " << g.n << " x " << g.kd << ", alpha " << alpha << ", C(" << i << ", " << j
+                << "): " << from_zero[i * g.n + j] << " vs " << zeroed[i * g.n + j];
+    }
+  }
+}
+
+// The register tile gemm picks changes only which elements are computed together: each row of a
+// product equals, bitwise, that row computed alone (a one-row product, one-row tiles).
+TEST(Simd, GemmRowsDoNotDependOnTheTile) {
+  std::mt19937 rng(12);
+  for (const GemmShape& g : kGemmShapes) {
+    if (g.tri != Tri::kFull) continue;  // triangular shapes bound a row's terms by its tile
+    std::vector<float> a(g.m * g.kd), b(g.kd * g.n), scale(g.m), c0(g.m * g.n);
+    fill_operands(rng, a, b, scale);
+    fill_operands(rng, c0, b, scale);  // a nonzero C to add to; b and scale drawn again
+    std::vector<float> whole = c0;
+    const float* cs = g.scaled ? scale.data() : nullptr;
+    gemm(g.m, g.n, g.kd, a.data(), g.kd, 1, b.data(), g.n, whole.data(), g.n, 0.5f, Tri::kFull, cs);
+    for (std::int64_t i = 0; i < g.m; ++i) {
+      std::vector<float> row(c0.begin() + i * g.n, c0.begin() + (i + 1) * g.n);
+      gemm(1, g.n, g.kd, a.data() + i * g.kd, g.kd, 1, b.data(), g.n, row.data(), g.n, 0.5f, Tri::kFull,
+           cs ? cs + i : nullptr);
+      for (std::int64_t j = 0; j < g.n; ++j)
+        ASSERT_EQ(bits(whole[i * g.n + j]), bits(row[j])) << g.m << " x " << g.n << " x " << g.kd << ", C(" << i << ", "
+                                                          << j << "): " << whole[i * g.n + j] << " vs " << row[j];
+    }
   }
 }
 
