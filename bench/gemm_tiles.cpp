@@ -37,16 +37,6 @@ __attribute__((noinline)) void fixed_tiles(std::int64_t m, std::int64_t n, std::
                             c_scale ? c_scale + i : nullptr, nullptr);
 }
 
-// gemm_rows<mr> for a run-time mr in [1, MR].
-template <int MR, typename Op>
-void rows_of(std::int64_t mr, std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
-             std::int64_t acs, const float* b, float* c, const float* c_scale) {
-  if (mr == MR)
-    gemm_rows<MR, Op>(n, kd, a, ars, acs, b, n, c, n, 1e-3f, c_scale, nullptr);
-  else if constexpr (MR > 1)
-    rows_of<MR - 1, Op>(mr, n, kd, a, ars, acs, b, c, c_scale);
-}
-
 // The tiles before gemm_tile_rows: 6-row tiles (6 x 64, 6 x 32, 6 x 16), the last rows in a
 // smaller tile.
 template <typename Op>
@@ -54,8 +44,8 @@ __attribute__((noinline)) void six_row_gemm(std::int64_t m, std::int64_t n, std:
                                             std::int64_t ars, std::int64_t acs, const float* b, float* c,
                                             const float* c_scale) {
   for (std::int64_t i = 0; i < m; i += 6)
-    rows_of<6, Op>(std::min<std::int64_t>(6, m - i), n, kd, a + i * ars, ars, acs, b, c + i * n,
-                   c_scale ? c_scale + i : nullptr);
+    gemm_rows_upto<6, Op>(std::min<std::int64_t>(6, m - i), n, kd, a + i * ars, ars, acs, b, n, c + i * n, n, 1e-3f,
+                          c_scale ? c_scale + i : nullptr, nullptr);
 }
 
 template <typename Op>

@@ -301,6 +301,17 @@ static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op:
   for (; j < n; j += kLanes) gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
 }
 
+// gemm_rows<mr> for a run-time tile height mr in [1, MR].
+template <int MR, typename Op>
+static inline void gemm_rows_upto(std::int64_t mr, std::int64_t n, std::int64_t kd, const typename Op::A* a,
+                                  std::int64_t ars, std::int64_t acs, const float* b, std::int64_t ldb, float* c,
+                                  std::int64_t ldc, float alpha, const float* c_scale, const float* c_src) {
+  if (mr == MR)
+    gemm_rows<MR, Op>(n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src);
+  else if constexpr (MR > 1)
+    gemm_rows_upto<MR - 1, Op>(mr, n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src);
+}
+
 // Which part of a product is needed, so triangular operands and outputs cost half.
 enum class Tri : std::uint8_t {
   kFull,
@@ -346,26 +357,7 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
     const std::int64_t kdi = p1 - p0;
     const float* cs = c_scale ? c_scale + i : nullptr;
     const float* si = offset_src(c_src, i * ldc);
-    switch (mr) {
-      case 6:
-        gemm_rows<6, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
-        break;
-      case 5:
-        gemm_rows<5, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
-        break;
-      case 4:
-        gemm_rows<4, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
-        break;
-      case 3:
-        gemm_rows<3, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
-        break;
-      case 2:
-        gemm_rows<2, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
-        break;
-      default:
-        gemm_rows<1, Op>(ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
-        break;
-    }
+    gemm_rows_upto<6, Op>(mr, ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
   }
 }
 
