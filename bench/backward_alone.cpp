@@ -4,12 +4,15 @@
 // training step as a whole. The forward runs once first to fill the residual.
 //
 //   kda-backward-alone [backward|forward] [--residual] [--head-first] [--v-new] [--iters N] [--tokens T] [--heads H]
+//                      [--checksum]
 //
 // --head-first lays q, k, v, g, d_o and the gradients out as [B, H, T, D] (rows of one head
 // contiguous, which the hardware prefetcher streams): the bound for token-row prefetching.
 // --v-new adds the forward's v_new to the residual (the backward reads Vn instead of forming it).
 // --residual: the forward alone writes the residual too (chunk states, and v_new with --v-new), as
 // the forward of a training step does.
+// --checksum: also prints an FNV-1a hash of every output's bytes (o and the final state, plus the
+// gradients for backward), so a change meant to keep results bitwise can be checked in one run.
 // Prints the min and median milliseconds.
 #include <algorithm>
 #include <chrono>
@@ -43,10 +46,19 @@ void check(const kda::Status& s) {
   }
 }
 
+// FNV-1a over a tensor's bytes.
+std::uint64_t fnv1a(const Tensor& t) {
+  const auto* p = static_cast<const unsigned char*>(t.buf.get());
+  std::uint64_t h = 1469598103934665603ull;
+  const std::size_t n = static_cast<std::size_t>(t.view.numel()) * kda::dtype_size(t.view.dtype);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool backward = true, head_first_layout = false, with_v_new = false, residual = false;
+  bool backward = true, head_first_layout = false, with_v_new = false, residual = false, checksum = false;
   int iters = 5;
   std::int64_t T = 8192, H = 32;
   for (int i = 1; i < argc; ++i) {
@@ -61,6 +73,8 @@ int main(int argc, char** argv) {
       head_first_layout = true;
     else if (a == "--v-new")
       with_v_new = true;
+    else if (a == "--checksum")
+      checksum = true;
     else if (a == "--iters" && i + 1 < argc)
       iters = std::max(1, std::atoi(argv[++i]));
     else if (a == "--tokens" && i + 1 < argc)
@@ -71,7 +85,7 @@ int main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: kda-backward-alone [backward|forward] [--residual] [--head-first] [--v-new] [--iters N] [--tokens T] "
-          "[--heads H]\n");
+          "[--heads H] [--checksum]\n");
       return 2;
     }
   }
@@ -118,5 +132,13 @@ int main(int argc, char** argv) {
   std::sort(ms.begin(), ms.end());
   std::printf("%s%s: min %.1f ms, median %.1f ms (%d runs)\n", backward ? "backward" : "forward",
               head_first_layout ? " (head-first)" : "", ms.front(), ms[ms.size() / 2], iters);
+  if (checksum) {
+    const std::pair<const char*, const Tensor*> outputs[] = {
+        {"o", &o},   {"final_state", &ht}, {"dq", &dq},   {"dk", &dk},         {"dv", &dv},
+        {"dg", &dg}, {"dbeta", &dbeta},    {"dh0", &dh0}, {"dA_log", &dA_log}, {"ddt_bias", &ddt_bias}};
+    for (const auto& [name, t] : outputs)
+      if (backward || t == &o || t == &ht)
+        std::printf("checksum %s %016llx\n", name, static_cast<unsigned long long>(fnv1a(*t)));
+  }
   return 0;
 }
