@@ -245,6 +245,27 @@ struct Bf16Dot {
 static const float kFromZeroTag[1] = {0.0f};
 static const float* const kFromZero = kFromZeroTag;  // compared, never read
 
+// Optional second output of a product: C's new rows also as bf16 pairs of consecutive rows, the
+// layout pack_pairs_bf16 writes (dst (ceil(m / 2), n; ld) 32-bit words, a missing last row read
+// as 0), bitwise what packing C afterwards gives; it saves that pass over C when C (a state) is
+// the B operand of the next product. Only with AVX512_BF16 (KDA_BF16_DOT); dst = null: none.
+struct PairPack {
+  std::uint32_t* dst = nullptr;
+  std::int64_t ld = 0;
+  PairPack at(std::int64_t row, std::int64_t col) const { return {dst ? dst + row / 2 * ld + col : nullptr, ld}; }
+};
+
+#ifdef KDA_BF16_DOT
+// 16 words bf16(lo[j]) | bf16(hi[j]) << 16, round to nearest even.
+static inline vf pair_words(vf lo, vf hi) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i both = reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));  // [lo | hi]
+  return reinterpret_cast<vf>(_mm512_permutexvar_epi16(interleave, both));
+}
+#endif
+
 // c_src + offset, keeping null and kFromZero as they are.
 static inline const float* offset_src(const float* c_src, std::int64_t offset) {
   return c_src && c_src != kFromZero ? c_src + offset : c_src;
@@ -253,7 +274,7 @@ static inline const float* offset_src(const float* c_src, std::int64_t offset) {
 template <int MR, int NV, typename Op>
 static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int64_t ars, std::int64_t acs,
                              const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
-                             const float* c_scale, const float* c_src) {
+                             const float* c_scale, const float* c_src, [[maybe_unused]] PairPack pack = {}) {
   vf acc[MR][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -280,36 +301,46 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kLanes;
       const vf old = from_zero ? vsplat(0.0f) : vload(src + r * ldc + v * kLanes);
-      if (c_scale)
-        vstore(cp, old * cs + al * acc[r][v]);
-      else
-        vstore(cp, old + al * acc[r][v]);
+      acc[r][v] = c_scale ? old * cs + al * acc[r][v] : old + al * acc[r][v];  // the new C
+      vstore(cp, acc[r][v]);
     }
   }
+#ifdef KDA_BF16_DOT
+  if (pack.dst) {  // rows of a tile start even (gemm's tiles are 4 or 6 rows)
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; r += 2)
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v)
+        vstore(reinterpret_cast<float*>(pack.dst + r / 2 * pack.ld + v * kLanes),
+               pair_words(acc[r][v], r + 1 < MR ? acc[r + 1][v] : vsplat(0.0f)));
+  }
+#endif
 }
 
 template <int MR, typename Op>
 static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                              std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
-                             float alpha, const float* c_scale, const float* c_src) {
+                             float alpha, const float* c_scale, const float* c_src, PairPack pack = {}) {
   std::int64_t j = 0;
   auto src = [&](std::int64_t col) { return offset_src(c_src, col); };
   for (; j + 4 * kLanes <= n; j += 4 * kLanes)
-    gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
+    gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
   for (; j + 2 * kLanes <= n; j += 2 * kLanes)
-    gemm_tile<MR, 2, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
-  for (; j < n; j += kLanes) gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j));
+    gemm_tile<MR, 2, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
+  for (; j < n; j += kLanes)
+    gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
 }
 
 // gemm_rows<mr> for a run-time tile height mr in [1, MR].
 template <int MR, typename Op>
 static inline void gemm_rows_upto(std::int64_t mr, std::int64_t n, std::int64_t kd, const typename Op::A* a,
                                   std::int64_t ars, std::int64_t acs, const float* b, std::int64_t ldb, float* c,
-                                  std::int64_t ldc, float alpha, const float* c_scale, const float* c_src) {
+                                  std::int64_t ldc, float alpha, const float* c_scale, const float* c_src,
+                                  PairPack pack = {}) {
   if (mr == MR)
-    gemm_rows<MR, Op>(n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src);
+    gemm_rows<MR, Op>(n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src, pack);
   else if constexpr (MR > 1)
-    gemm_rows_upto<MR - 1, Op>(mr, n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src);
+    gemm_rows_upto<MR - 1, Op>(mr, n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src, pack);
 }
 
 // Which part of a product is needed, so triangular operands and outputs cost half.
@@ -340,7 +371,8 @@ static inline int gemm_tile_rows(std::int64_t n) {
 template <typename Op = F32Fma>
 static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
-                        Tri tri = Tri::kFull, const float* c_scale = nullptr, const float* c_src = nullptr) {
+                        Tri tri = Tri::kFull, const float* c_scale = nullptr, const float* c_src = nullptr,
+                        PairPack pack = {}) {
   const std::int64_t rows = gemm_tile_rows<Op>(n);
   for (std::int64_t i = 0; i < m; i += rows) {
     const std::int64_t mr = m - i < rows ? m - i : rows;
@@ -357,7 +389,7 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
     const std::int64_t kdi = p1 - p0;
     const float* cs = c_scale ? c_scale + i : nullptr;
     const float* si = offset_src(c_src, i * ldc);
-    gemm_rows_upto<6, Op>(mr, ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
+    gemm_rows_upto<6, Op>(mr, ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si, pack.at(i, 0));
   }
 }
 
@@ -368,8 +400,6 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
 // a column.
 static inline void pack_pairs_bf16(const float* src, std::int64_t rows, std::int64_t n, std::int64_t lds,
                                    std::uint32_t* dst, std::int64_t ldd) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (std::int64_t p = 0; 2 * p < rows; ++p) {
     const float* lo = src + 2 * p * lds;
     const bool has_hi = 2 * p + 1 < rows;
@@ -378,8 +408,8 @@ static inline void pack_pairs_bf16(const float* src, std::int64_t rows, std::int
           n - j >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
       const __m512 l = _mm512_maskz_loadu_ps(m, lo + j);
       const __m512 h = has_hi ? _mm512_maskz_loadu_ps(m, lo + lds + j) : _mm512_setzero_ps();
-      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(h, l));  // [l0..l15 | h0..h15]
-      _mm512_mask_storeu_epi32(dst + p * ldd + j, m, _mm512_permutexvar_epi16(interleave, both));
+      _mm512_mask_storeu_epi32(dst + p * ldd + j, m,
+                               reinterpret_cast<__m512i>(pair_words(reinterpret_cast<vf>(l), reinterpret_cast<vf>(h))));
     }
   }
 }
