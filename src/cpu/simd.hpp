@@ -199,6 +199,20 @@ static inline float vl2normalize(float* x, std::int64_t n) {
   return r[0];
 }
 
+// a * b + c rounded once, spelled out. Left to -ffp-contract, GCC fused the products' epilogue
+// `old * cs + alpha * acc` into fma(old, cs, alpha * acc) for some unrolled elements and into
+// fma(alpha, acc, old * cs) for others, differently from one instance of the tile to another, so
+// one state update rounded differently in two code paths (found when the tiles gained a
+// packing variant, sixteenth session). Without FMA hardware (the generic target) nothing fuses.
+static inline vf vfmadd(vf a, vf b, vf c) {
+#ifdef __AVX512F__
+  return reinterpret_cast<vf>(
+      _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
 // Applies f to n floats (n need not be a multiple of 16).
 template <typename F>
 static inline void map_rows(float* y, const float* x, std::int64_t n, F f) {
@@ -271,7 +285,9 @@ static inline const float* offset_src(const float* c_src, std::int64_t offset) {
   return c_src && c_src != kFromZero ? c_src + offset : c_src;
 }
 
-template <int MR, int NV, typename Op>
+// kPack: the tile also writes pack (a compile-time choice, so the tiles without it compile as if
+// it did not exist: a run-time test cost the other tiles GCC's specialized clones).
+template <int MR, int NV, typename Op, bool kPack = false>
 static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int64_t ars, std::int64_t acs,
                              const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
                              const float* c_scale, const float* c_src, [[maybe_unused]] PairPack pack = {}) {
@@ -301,12 +317,14 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
     for (int v = 0; v < NV; ++v) {
       float* cp = c + r * ldc + v * kLanes;
       const vf old = from_zero ? vsplat(0.0f) : vload(src + r * ldc + v * kLanes);
-      acc[r][v] = c_scale ? old * cs + al * acc[r][v] : old + al * acc[r][v];  // the new C
+      // Each element rounds the same way in every instance of the tile (vfmadd); alpha is +-1 in
+      // most products, so alpha * acc is exact and the sum rounds once.
+      acc[r][v] = c_scale ? vfmadd(old, cs, al * acc[r][v]) : vfmadd(al, acc[r][v], old);  // the new C
       vstore(cp, acc[r][v]);
     }
   }
 #ifdef KDA_BF16_DOT
-  if (pack.dst) {  // rows of a tile start even (gemm's tiles are 4 or 6 rows)
+  if constexpr (kPack) {  // rows of a tile start even (gemm's tiles are 4 or 6 rows)
 #pragma GCC unroll 16
     for (int r = 0; r < MR; r += 2)
 #pragma GCC unroll 16
@@ -314,33 +332,35 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
         vstore(reinterpret_cast<float*>(pack.dst + r / 2 * pack.ld + v * kLanes),
                pair_words(acc[r][v], r + 1 < MR ? acc[r + 1][v] : vsplat(0.0f)));
   }
+#else
+  static_assert(!kPack, "PairPack needs AVX512_BF16");
 #endif
 }
 
-template <int MR, typename Op>
+template <int MR, typename Op, bool kPack = false>
 static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                              std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
                              float alpha, const float* c_scale, const float* c_src, PairPack pack = {}) {
   std::int64_t j = 0;
   auto src = [&](std::int64_t col) { return offset_src(c_src, col); };
   for (; j + 4 * kLanes <= n; j += 4 * kLanes)
-    gemm_tile<MR, 4, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
+    gemm_tile<MR, 4, Op, kPack>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
   for (; j + 2 * kLanes <= n; j += 2 * kLanes)
-    gemm_tile<MR, 2, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
+    gemm_tile<MR, 2, Op, kPack>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
   for (; j < n; j += kLanes)
-    gemm_tile<MR, 1, Op>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
+    gemm_tile<MR, 1, Op, kPack>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
 }
 
 // gemm_rows<mr> for a run-time tile height mr in [1, MR].
-template <int MR, typename Op>
+template <int MR, typename Op, bool kPack = false>
 static inline void gemm_rows_upto(std::int64_t mr, std::int64_t n, std::int64_t kd, const typename Op::A* a,
                                   std::int64_t ars, std::int64_t acs, const float* b, std::int64_t ldb, float* c,
                                   std::int64_t ldc, float alpha, const float* c_scale, const float* c_src,
                                   PairPack pack = {}) {
   if (mr == MR)
-    gemm_rows<MR, Op>(n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src, pack);
+    gemm_rows<MR, Op, kPack>(n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src, pack);
   else if constexpr (MR > 1)
-    gemm_rows_upto<MR - 1, Op>(mr, n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src, pack);
+    gemm_rows_upto<MR - 1, Op, kPack>(mr, n, kd, a, ars, acs, b, ldb, c, ldc, alpha, c_scale, c_src, pack);
 }
 
 // Which part of a product is needed, so triangular operands and outputs cost half.
@@ -368,11 +388,16 @@ static inline int gemm_tile_rows(std::int64_t n) {
     return n >= 2 * kLanes ? 4 : 6;
 }
 
+#ifdef KDA_BF16_DOT
+static inline void pack_pairs_bf16(const float* src, std::int64_t rows, std::int64_t n, std::int64_t lds,
+                                   std::uint32_t* dst, std::int64_t ldd);
+#endif
+
 template <typename Op = F32Fma>
 static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                         std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha,
                         Tri tri = Tri::kFull, const float* c_scale = nullptr, const float* c_src = nullptr,
-                        PairPack pack = {}) {
+                        [[maybe_unused]] PairPack pack = {}) {
   const std::int64_t rows = gemm_tile_rows<Op>(n);
   for (std::int64_t i = 0; i < m; i += rows) {
     const std::int64_t mr = m - i < rows ? m - i : rows;
@@ -389,8 +414,19 @@ static inline void gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const t
     const std::int64_t kdi = p1 - p0;
     const float* cs = c_scale ? c_scale + i : nullptr;
     const float* si = offset_src(c_src, i * ldc);
-    gemm_rows_upto<6, Op>(mr, ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si, pack.at(i, 0));
+#ifdef KDA_BF16_DOT
+    if constexpr (std::is_same_v<Op, Bf16Dot>)  // the fused pack exists for the bf16 products only
+      if (pack.dst) {
+        gemm_rows_upto<6, Op, true>(mr, ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si, pack.at(i, 0));
+        continue;
+      }
+#endif
+    gemm_rows_upto<6, Op>(mr, ni, kdi, ai, ars, acs, bi, ldb, ci, ldc, alpha, cs, si);
   }
+#ifdef KDA_BF16_DOT
+  if constexpr (!std::is_same_v<Op, Bf16Dot>)  // other products: the same words, by a separate pass
+    if (pack.dst) pack_pairs_bf16(c, m, n, ldc, pack.dst, pack.ld);
+#endif
 }
 
 #ifdef KDA_BF16_DOT
