@@ -262,7 +262,8 @@ static const float* const kFromZero = kFromZeroTag;  // compared, never read
 // Optional second output of a product: C's new rows also as bf16 pairs of consecutive rows, the
 // layout pack_pairs_bf16 writes (dst (ceil(m / 2), n; ld) 32-bit words, a missing last row read
 // as 0), bitwise what packing C afterwards gives; it saves that pass over C when C (a state) is
-// the B operand of the next product. Only with AVX512_BF16 (KDA_BF16_DOT); dst = null: none.
+// the B operand of the next product. Only with AVX512_BF16 (KDA_BF16_DOT) and for full products
+// (Tri::kFull: every element of C written); dst = null: none.
 struct PairPack {
   std::uint32_t* dst = nullptr;
   std::int64_t ld = 0;
