@@ -624,6 +624,12 @@ std::vector<Record> decode_suite(const Config& cfg) {
 
 // Scaling: time per token of the fused forward for T = 1K .. 32K (should be flat), the staged
 // baseline beside it with --baseline, and 1 thread vs all at T = 8K.
+//
+// The T values are timed in rounds, one call of each T per round (after its warm-up), and each
+// T's median is over the rounds: the machine's other tenants come and go within seconds, and
+// timing all of one T's calls back to back let one busy spell (a whole T = 1K block lasts 0.2 s)
+// make that T look slow; by rounds a spell touches at most a call or two of every T. Each
+// round's problem is allocated afresh, so the peak memory of a T is its own.
 std::vector<Record> scaling_suite(const Config& cfg) {
   std::vector<Record> recs;
   const std::vector<std::int64_t> Ts = cfg.tokens_set ? std::vector<std::int64_t>{cfg.tokens}
@@ -633,13 +639,29 @@ std::vector<Record> scaling_suite(const Config& cfg) {
   std::vector<kda::Path> paths{kda::Path::kFused};
   if (cfg.baseline) paths.push_back(kda::Path::kStaged);
   for (kda::Path path : paths) {
-    for (std::int64_t T : Ts) {
-      Config c = cfg;
-      c.tokens = T;
-      const Workload w = make_workload(c, "forward");
-      progress("scaling", kda::path_name(path), w);
-      Record r = run_forward(c, w, path, "scaling");
-      r.tokens = T;
+    std::vector<std::vector<Record>> rounds(Ts.size());  // per T: one single-call record per round
+    for (int round = 0; round < cfg.iters; ++round)
+      for (std::size_t i = 0; i < Ts.size(); ++i) {
+        Config c = cfg;
+        c.tokens = Ts[i];
+        c.iters = 1;
+        const Workload w = make_workload(c, "forward");
+        if (round == 0) progress("scaling", kda::path_name(path), w);
+        rounds[i].push_back(run_forward(c, w, path, "scaling"));
+      }
+    for (std::size_t i = 0; i < Ts.size(); ++i) {
+      Record r = rounds[i].front();
+      std::vector<double> ms;
+      for (const Record& x : rounds[i]) {
+        ms.push_back(x.median_ms);
+        r.peak_bytes = std::max(r.peak_bytes, x.peak_bytes);
+        r.extra_bytes = std::max(r.extra_bytes, x.extra_bytes);
+      }
+      r.median_ms = median(ms);
+      r.min_ms = *std::min_element(ms.begin(), ms.end());
+      r.max_ms = *std::max_element(ms.begin(), ms.end());
+      r.gflops = r.gflops * rounds[i].front().median_ms / r.median_ms;  // the model's FLOPs at the median
+      r.tokens = Ts[i];
       recs.push_back(r);
     }
   }
