@@ -166,15 +166,18 @@ static inline vf vlog(vf x) {
 
 // softplus(x) = max(x, 0) + log1p(e^-|x|); log1p(u) = log(1 + u) * u / ((1 + u) - 1) keeps
 // full relative precision for small u (Goldberg's correction).
-static inline vf vsoftplus(vf x) {
-  vf ax = x < vsplat(0.0f) ? -x : x;
-  vf u = vexp(-ax);
+// vsoftplus_from takes u = e^-|x| from the caller, who may need it for the sigmoid as well.
+static inline vf vsoftplus_from(vf x, vf u) {
   vf w = vsplat(1.0f) + u;
   vf den = w - vsplat(1.0f);
   vf l1p = den == vsplat(0.0f) ? u : vlog(w) * u / (den == vsplat(0.0f) ? vsplat(1.0f) : den);
   vf pos = x > vsplat(0.0f) ? x : vsplat(0.0f);
   vf res = pos + l1p;
   return x != x ? x : res;
+}
+
+static inline vf vsoftplus(vf x) {
+  return vsoftplus_from(x, vexp(x < vsplat(0.0f) ? x : -x));
 }
 
 static inline vf vsigmoid(vf x) {
