@@ -18,7 +18,8 @@ namespace kda {
 //   dt_bias      [HV * K] or [HV, K]  optional (gate in kernel)
 //   o            [B, T, HV, V]     output, dtype of q (the oracle also accepts fp64)
 // Sequences: at most one of
-//   cu_seqlens   [N + 1]  int32/int64, B must be 1
+//   cu_seqlens   [N + 1]  int32/int64, B must be 1; non-decreasing from 0 to at most T: tokens from
+//                cu_seqlens[N] to T are padding (output and gradients 0), as in FLA's graph mode
 //   segment_ids  [T] or [B, T] int32, contiguous runs 1, 2, 3, ... in order; 0 = padding (anywhere: leading,
 //                between segments, trailing); needs max_num_segments
 // States (V-first swaps the last two dims), fp32 (initial_state: any float dtype):

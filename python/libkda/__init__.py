@@ -275,7 +275,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     o has q's dtype and shape [B, T, HV, V]. final_state (float32) is returned only with
     output_final_state=True, else None; its shape is [B, HV, K, V] (fixed length),
-    [N, HV, K, V] (cu_seqlens, N + 1 entries) or [B, max_num_segments, HV, K, V]
+    [N, HV, K, V] (cu_seqlens, N + 1 entries, from 0 to at most T: the tokens after
+    cu_seqlens[-1] are padding, output and gradients 0) or [B, max_num_segments, HV, K, V]
     (segment_ids); state_v_first swaps the last two dims (also for initial_state).
 
     h (intermediate states, for prefix caching; SPEC.md section 3) is the state entering every

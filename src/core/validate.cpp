@@ -147,10 +147,13 @@ Status plan_cu_seqlens(const TensorView& cu, Problem* p) {
                   " > cu_seqlens[", i + 1, "] = ", b);
     }
   }
-  if (load_index(cu, n) != p->T) {
-    return fail("argument 'cu_seqlens': expected the last value to equal the total tokens T = ", p->T, ", got ",
-                load_index(cu, n));
+  const std::int64_t end = load_index(cu, n);
+  if (end > p->T) {
+    return fail("argument 'cu_seqlens': expected the last value <= the total tokens T = ", p->T, ", got ", end);
   }
+  // Tokens after the last sequence are padding (FLA's graph mode packs into a fixed-size buffer):
+  // output 0, gradients 0, as segment_ids' trailing padding.
+  if (end < p->T) p->padding.push_back({0, end, p->T});
   p->num_states = n;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t a = load_index(cu, i), b = load_index(cu, i + 1);

@@ -42,6 +42,30 @@ INSTANTIATE_TEST_SUITE_P(Varlen, CuSeqlens,
                                   dtype_name(std::get<1>(info.param)) + "_" + path_name(std::get<2>(info.param));
                          });
 
+// cu_seqlens ending before T (FLA's graph mode packs into a fixed-size buffer): the tokens after it
+// are padding, o exactly 0 there, and the oracle agrees on the rest.
+class CuSeqlensTrailingPadding : public ::testing::TestWithParam<std::tuple<DType, Path>> {};
+
+TEST_P(CuSeqlensTrailingPadding, MatchesOracle) {
+  const auto [dtype, path] = GetParam();
+  Case c;
+  c.cu_seqlens = {0, 40, 40, 131};
+  c.T = 160;
+  c.H = 1, c.HV = 2, c.K = 32, c.V = 48;
+  c.dtype = dtype, c.path = path;
+  c.initial_state = true;
+  c.gate = Gate::kLowerBound;
+  expect_matches_oracle(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, CuSeqlensTrailingPadding,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(Path::kFused, Path::kStaged)),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) + "_" +
+                                  path_name(std::get<1>(info.param));
+                         });
+
 class SegmentIds : public ::testing::TestWithParam<Path> {};
 
 TEST_P(SegmentIds, TrailingPaddingAndUnusedSlots) {

@@ -231,6 +231,35 @@ def test_segment_ids_padding(rng, poison_outputs, dtype, residuals):
 
 
 @pytest.mark.parametrize("residuals", RESIDUALS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_cu_seqlens_trailing_padding(rng, poison_outputs, dtype, residuals):
+    # Tokens after cu_seqlens[-1] (FLA's graph-mode buffers) are padding: every gradient of them
+    # exactly 0, whatever their inputs and cotangent; the rest bitwise those of the buffer cut
+    # at cu_seqlens[-1], and within SPEC.md 4 of the oracle.
+    cu = np.array([0, 37, 37, 110], dtype=np.int32)
+    end, HV, K, V = 110, 4, 32, 32
+    x = make_inputs(rng, B=1, T=160, H=2, HV=HV, K=K, V=V, dtype=dtype, gate="raw", beta_sigmoid=True)
+    do, dht = cotangents(rng, x, dtype, (3, HV, K, V))
+    for name, bad in zip(x, [np.nan, np.inf, np.nan, -np.inf, np.nan]):
+        x[name][0, end:] = bad
+    do[0, end:] = np.nan
+    h0 = rng.standard_normal((3, HV, K, V)).astype(np.float32)
+    kw = dict(initial_state=h0, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True,
+              **gate_kw(rng, "lower_bound", HV, K))
+    r = libkda.chunk_kda_fwd_bwd(**x, do=do, dht=dht, cu_seqlens=cu, residuals=residuals, **kw)
+    for name in ["o", "dq", "dk", "dv", "dg", "dbeta"]:
+        pad = r[name][0, end:].astype(np.float32)
+        assert np.all(pad == 0.0), f"{name}: padding-token value not 0: {pad[pad != 0][:5]}"
+    cut = {name: arr[:, :end] for name, arr in x.items()}
+    rc, _ = check_vs_oracle(cut, do[:, :end], dht, residuals, cu_seqlens=cu, **kw)
+    for name in ["o", "dq", "dk", "dv", "dg", "dbeta"]:
+        assert_bitwise(r[name][:, :end], rc[name], name)
+    for name in ["final_state", "dh0", "dA_log", "ddt_bias"]:
+        assert_bitwise(r[name], rc[name], name)
+    np.testing.assert_array_equal(r["dh0"][1], dht[1])  # the empty sequence: dh0 = dht
+
+
+@pytest.mark.parametrize("residuals", RESIDUALS)
 def test_packed_equals_separate_calls(rng, residuals):
     # Batch invariance (SPEC.md 4): each packed sequence's gradients are bitwise those of the
     # sequence run alone. dA_log and ddt_bias sum over all tokens, so only close.

@@ -964,3 +964,43 @@ def test_chunk_kda_graph_empty_sequence_passes_its_state_through(gate, safe_gate
     for i in empty:
         assert torch.equal(ht[i], h0[i]), f"sequence {i} (empty): final state != initial state"
         assert torch.equal(dh0[i], dht[i]), f"sequence {i} (empty): dh0 != dht"
+
+
+# test_kda_graph.py's test_chunk_kda_graph_partial_tokens: a buffer of T tokens holding
+# cu_seqlens[-1] < T real ones; the tokens after cu_seqlens[-1] are padding. Its layouts ("half"
+# [0, 512, 512, 512, 512], "quarter_2seq" [0, 128, 384, 384, 384] in a buffer of 1024) are scaled
+# by cap_t like the rest of this file, buffer included.
+GRAPH_PARTIAL_LAYOUTS = [
+    pytest.param([0, 512, 512, 512, 512], id="half"),
+    pytest.param([0, 128, 384, 384, 384], id="quarter_2seq"),
+]
+GRAPH_PARTIAL_CONFIGS = [  # (safe_gate, hv); the gate is in the kernel
+    pytest.param(False, GRAPH_H, id="gate_in_kernel"),
+    pytest.param(True, GRAPH_H, id="gate+safe_gate"),
+    pytest.param(True, 2 * GRAPH_H, id="gva_gate+safe"),
+]
+
+
+@pytest.mark.parametrize("cu", GRAPH_PARTIAL_LAYOUTS)
+@pytest.mark.parametrize("safe_gate,hv", GRAPH_PARTIAL_CONFIGS)
+def test_chunk_kda_graph_partial_tokens(safe_gate, hv, cu):
+    """FLA runs the real tokens alone eagerly and compares at 2e-3: o and the token gradients on
+    the real tokens, ht, dh0, dA and dbias. Here they are bitwise equal (batch invariance), and
+    the padding tokens' o and gradients are exactly 0 though their inputs are fresh noise."""
+    scale = cap_t(1024) / 1024
+    cu = torch.LongTensor([round(c * scale) for c in cu])
+    T, n = round(1024 * scale), int(cu[-1])
+    x, do, dht = graph_inputs(7, True, safe_gate, hv, T)
+    tri, tri_ht, tri_g = graph_step(x, cu, True, safe_gate, do, dht)
+    cut = [t[:, :n] if i < 5 else t for i, t in enumerate(x)]  # q, k, v, g, beta; h0, A_log, dt_bias whole
+    ref, ref_ht, ref_g = graph_step(cut, cu, True, safe_gate, do[:, :n], dht)
+    names = ["dq", "dk", "dv", "dg", "db", "dh0", "dA", "dbias"]
+    assert torch.equal(tri[:, :n], ref), "o on the real tokens"
+    assert torch.count_nonzero(tri[:, n:]) == 0, "o on the padding tokens"
+    assert torch.equal(tri_ht, ref_ht), "ht"
+    for i, (name, t, r) in enumerate(zip(names, tri_g, ref_g)):
+        if i < 5:
+            assert torch.equal(t[:, :n], r), f"{name} on the real tokens"
+            assert torch.count_nonzero(t[:, n:]) == 0, f"{name} on the padding tokens"
+        else:
+            assert torch.equal(t, r), name

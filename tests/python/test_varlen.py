@@ -57,6 +57,38 @@ def test_packed_equals_separate_calls(rng, chunk_size, path):
         assert_bitwise(s[n:n + 1], sn, f"final_state of segment {n}")
 
 
+@pytest.mark.parametrize("fn", [libkda.chunk_kda, libkda.kda_inference], ids=["chunk_kda", "inference"])
+@pytest.mark.parametrize("path", ["fused", "staged"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
+def test_cu_seqlens_trailing_tokens_are_padding(rng, poison_outputs, dtype, path, fn):
+    # cu_seqlens may end before T (FLA's graph mode packs into a fixed-size buffer): the tokens
+    # after it are padding, output exactly 0, and the sequences are bitwise those of the buffer
+    # cut at cu_seqlens[-1]. An empty last sequence, and padding inputs that are NaN / Inf.
+    cu = np.array([0, 40, 131, 131], dtype=np.int64)
+    end, HV, K, V = 131, 4, 32, 32
+    x = make_inputs(rng, B=1, T=200, H=2, HV=HV, K=K, V=V, dtype=dtype)
+    for name, bad in zip(x, [np.nan, np.inf, np.nan, -np.inf, np.nan]):
+        x[name][0, end:] = bad
+    h0 = rng.standard_normal((3, HV, K, V)).astype(np.float32)
+    kw = dict(cu_seqlens=cu, initial_state=h0, output_final_state=True, path=path)
+    o, s = fn(**x, **kw)
+    assert np.all(o[0, end:].astype(np.float32) == 0.0), "padding tokens' output is not 0"
+    cut = {name: arr[:, :end] for name, arr in x.items()}
+    oc, sc = fn(**cut, **kw)
+    assert_bitwise(o[:, :end], oc, "o")
+    assert_bitwise(s, sc, "final_state")
+    np.testing.assert_array_equal(s[2], h0[2])  # the empty sequence passes its state through
+    ro, rs = libkda.naive_recurrent_kda(**cut, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    assert_close(oc, ro, BOUND[dtype], "o")
+    assert_close(sc, rs, BOUND[dtype], "final_state")
+
+
+def test_cu_seqlens_past_the_tokens_is_an_error(rng):
+    x = make_inputs(rng, B=1, T=40, H=2, K=16, V=16)
+    with pytest.raises(ValueError, match=r"'cu_seqlens'.*<= the total tokens T = 40, got 41"):
+        libkda.chunk_kda(**x, cu_seqlens=np.array([0, 20, 41], np.int32))
+
+
 @pytest.mark.parametrize("path", ["fused", "staged"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["fp32", "bf16"])
 def test_segment_ids_with_padding(rng, poison_outputs, dtype, path):
