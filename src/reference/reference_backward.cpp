@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/fp_mode.hpp"
 #include "core/problem.hpp"
 #include "core/transforms.hpp"
 
@@ -109,6 +110,7 @@ Status reference_backward(const BackwardParams& prm) {
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
   for (std::int64_t item = 0; item < items; ++item) {
+    const detail::ScopedIeeeMode ieee;  // core/fp_mode.hpp
     const detail::Segment& seg = p.segments[item / p.H];
     const std::int64_t h = item % p.H, b = seg.batch, L = seg.length;
     std::vector<double> dq_acc(L * K, 0.0), dk_acc(L * K, 0.0);  // summed over the group

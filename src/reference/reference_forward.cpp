@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/fp_mode.hpp"
 #include "core/problem.hpp"
 #include "core/transforms.hpp"
 
@@ -26,6 +27,7 @@ Status reference_forward(const ForwardParams& prm) {
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
   for (std::int64_t item = 0; item < items; ++item) {
+    const detail::ScopedIeeeMode ieee;  // core/fp_mode.hpp
     const detail::Segment& seg = p.segments[item / p.HV];
     const std::int64_t hv = item % p.HV;
     const std::int64_t h = hv / p.group;

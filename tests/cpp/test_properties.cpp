@@ -1,10 +1,15 @@
 // Exact contracts of SPEC.md section 4, asserted bitwise: packed vs padded layouts, fused vs
 // staged, batch invariance, causality, layout equivalence (head-first strides, V-first
 // states), padding outputs, empty segments, segment isolation; and extreme gates.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "test_util.hpp"
+
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 namespace kda::test {
 namespace {
@@ -170,6 +175,35 @@ TEST(Exact, BatchInvarianceAcrossBatchAndThreads) {
     expect_bitwise(state_slot(c, batch.ht, 1), alone.ht, "state, threads=" + std::to_string(threads));
   }
 }
+
+#if defined(__SSE__) || defined(__x86_64__)
+// The kernels compute in IEEE mode whatever the calling thread's (src/core/fp_mode.hpp): a caller
+// that flushes denormals (FTZ and DAZ set, as XLA's threads run) gets bitwise the results of one that
+// does not. With v near 1e-39 and no initial state every output is denormal, so flushing would zero
+// them. The mode is set around the library call only (the harness's conversions must not flush).
+TEST(Exact, ResultsIgnoreTheCallersDenormalMode) {
+  Case c;
+  c.T = 70, c.H = 2, c.HV = 2, c.K = 32, c.V = 32;
+  Inputs in = make_inputs(c);
+  auto* v = reinterpret_cast<float*>(in.v.bytes.data());
+  for (std::int64_t i = 0; i < in.v.numel(); ++i) v[i] *= 1e-39f;
+  auto run = [&](bool flush) {
+    HostTensor o(DType::kF32, {c.B, c.T, c.HV, c.V}), ht(DType::kF32, {c.B, c.HV, c.K, c.V});
+    const ForwardParams p = make_params(c, in, o, ht);
+    const unsigned csr = _mm_getcsr();
+    if (flush) _mm_setcsr(csr | 0x8040u);  // flush-to-zero and denormals-are-zero
+    const Status s = chunk_forward(p);
+    _mm_setcsr(csr);
+    EXPECT_TRUE(s.ok()) << s.message();
+    return std::make_pair(o.bytes, ht.bytes);
+  };
+  const auto ieee = run(false), flushing = run(true);
+  const auto* o = reinterpret_cast<const float*>(ieee.first.data());
+  ASSERT_TRUE(std::any_of(o, o + ieee.first.size() / 4, [](float x) { return x != 0.0f; }));
+  EXPECT_TRUE(ieee.first == flushing.first) << "o differs when the caller flushes denormals";
+  EXPECT_TRUE(ieee.second == flushing.second) << "the final state differs when the caller flushes denormals";
+}
+#endif
 
 // Changing every input of token t leaves the outputs of tokens before t bitwise unchanged.
 class Causality : public ::testing::TestWithParam<std::tuple<std::int64_t, Path>> {};
