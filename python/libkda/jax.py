@@ -395,6 +395,9 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
                          f"{tuple(value.shape)}.")
     H, B, T, K = query.shape
     HV, V = value.shape[0], value.shape[3]
+    if H < 1:  # before the HV % H check below, which would divide by zero
+        raise ShapeError(f"`q` must have at least one head (argument 'query', head-first [H, B, T, K]): expected "
+                         f"H >= 1, got H = {H} (shape {tuple(query.shape)}).")
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"kda: argument '{name}': expected a floating dtype (float32, bfloat16, float16 or "

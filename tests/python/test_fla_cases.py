@@ -1004,3 +1004,52 @@ def test_chunk_kda_graph_partial_tokens(safe_gate, hv, cu):
             assert torch.count_nonzero(t[:, n:]) == 0, f"{name} on the padding tokens"
         else:
             assert torch.equal(t, r), name
+
+
+# ------------------------------------------------------------------------------------------
+# chunk_kda(transpose_state_layout=True, ...) called directly, as FlashKDA's run_fla_gold_reference
+# (MoonshotAI/FlashKDA tests/test_fwd.py @25efb9ee) calls FLA's chunk_kda for its test_fwd_vs_fla /
+# test_fwd_varlen_vs_fla: bf16 q, k, v, the raw g, beta already through sigmoid (bf16), an fp32
+# V-first h0, use_gate_in_kernel=True with A_log [H], dt_bias [H, D] and lower_bound=-5,
+# use_qk_l2norm_in_kernel=True. FLA's deprecated keyword must give exactly what state_v_first=True
+# gives, with FLA's DeprecationWarning, attributed to the caller (FLA's stacklevel=2). FlashKDA's
+# sizes (T = 8192; seq_lens 1300, 547, 2048, 963, 271, 3063) are cut to T = 256 and lengths / 32
+# (KDA_LARGE_TESTS=1: FlashKDA's).
+@pytest.mark.parametrize("varlen", [False, True], ids=["test_fwd_vs_fla", "test_fwd_varlen_vs_fla"])
+@torch.inference_mode()
+def test_chunk_transpose_state_layout_as_flash_kda_gold_reference(varlen):
+    H, D, lower_bound = 1, 128, -5.0
+    scale = 1 / D ** 0.5
+    seq_lens = [n if LARGE else n // 32 for n in (1300, 547, 2048, 963, 271, 3063)]  # CI: 254 tokens
+    T = sum(seq_lens) if varlen else cap_t(8192)
+    cu_seqlens = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.long) if varlen else None
+    N = len(seq_lens) if varlen else 1
+    torch.manual_seed(42)
+    dtype = torch.bfloat16
+    q = torch.rand(1, T, H, D, dtype=dtype)
+    k = torch.rand(1, T, H, D, dtype=dtype)
+    v = torch.rand(1, T, H, D, dtype=dtype)
+    beta = torch.randn(1, T, H, dtype=dtype)
+    h0 = torch.randn(N, H, D, D, dtype=torch.float32)
+    A_log = torch.full((H,), 0.0, dtype=torch.float32)
+    g = torch.randn(1, T, H, D, dtype=dtype) * 8  # make_test_cases' "g=N(0,8)" with its "bias=N(0,8)"
+    dt_bias = torch.randn(H, D, dtype=torch.float32) * 8
+    beta_activated = torch.sigmoid(beta.clone().float()).to(torch.bfloat16)
+    x = dict(q=q.clone().to(torch.bfloat16), k=k.clone().to(torch.bfloat16), v=v.clone(), g=g.clone(),
+             beta=beta_activated, scale=scale, initial_state=h0.clone(), output_final_state=True,
+             use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, A_log=A_log.clone(), dt_bias=dt_bias.clone(),
+             lower_bound=lower_bound, **(dict(cu_seqlens=cu_seqlens) if varlen else {}))
+
+    with pytest.warns(DeprecationWarning, match="`transpose_state_layout` is deprecated") as record:
+        chunk_o, chunk_ht = chunk_kda(**x, transpose_state_layout=True)
+    assert [w.filename for w in record if w.category is DeprecationWarning] == [__file__]
+    ref_o, ref_ht = chunk_kda(**x, state_v_first=True)
+    assert chunk_o.dtype == ref_o.dtype == torch.bfloat16 and chunk_ht.shape == (N, H, D, D)
+    assert torch.equal(chunk_o.view(torch.int16), ref_o.view(torch.int16)), "o"
+    assert torch.equal(chunk_ht.view(torch.int32), ref_ht.view(torch.int32)), "ht"
+    # V-first really: the K-first call on the transposed h0 gives the transposed final state.
+    kf_o, kf_ht = chunk_kda(**dict(x, initial_state=h0.transpose(-1, -2).contiguous()))
+    fla_assert_close("o (K-first)", kf_o, chunk_o, 1e-4)
+    fla_assert_close("ht (K-first)", kf_ht.transpose(-1, -2), chunk_ht, 1e-4)
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        chunk_kda(**x, state_v_first=True, transpose_state_layout=True)

@@ -8,7 +8,8 @@ test_fwd / test_fwd_varlen and test_fwd_full.py compare the kernel with its own 
 bitwise or within one bf16 ulp; that reference needs a GPU, so their configurations (state in /
 out / neither in bf16 and fp32, arange initial states, tail lengths) are compared with the float64
 recurrence instead, at the same 0.005. test_fwd_full.py's test_fwd_long / test_fwd_long_varlen
-(up to 1M tokens) are not ported."""
+(up to 1M tokens) are not ported. tests/test_cp.py's test_cp_disabled, test_cp_final_state and
+test_cp_with_initial_state check fwd_cp against fwd (bit for bit here) and the float64 recurrence."""
 
 import math
 import os
@@ -379,3 +380,104 @@ def test_fwd_varlen_all_tail_lengths():
 def test_fwd_batched(B, T, H, state_dtype, has_in, has_out):
     """test_fwd_full.py's test_fwd_batched: B > 1 equal-length rows without cu_seqlens."""
     _check_fwd(B, T, H, STATE_DTYPES[state_dtype], has_in, has_out)
+
+
+# ------------------------------------------------------------------------------------------
+# tests/test_cp.py (MoonshotAI/FlashKDA @ab67c75ae3005d6599cd409cfbc5d0b485ea32d0): fwd_cp, FlashKDA's
+# intra-card context parallelism, against fwd. Its cases run B=1, T=8192, H=16, D=128 on CUDA;
+# here CI runs T=512, H=4 (KDA_LARGE_TESTS=1: FlashKDA's sizes). FlashKDA accepts fwd_cp either
+# bit-identical to fwd or, when CP engages, within its bounds (final state max |diff| < 1.0,
+# output max |diff| < 0.1); libkda's fwd_cp is the same call as fwd (auto_cp only picks a
+# schedule), so those bounds are checked as written and, beyond them, both calls against the
+# float64 recurrence at FLA's 0.005. The output and final-state buffers start as NaN (FlashKDA's
+# are torch.empty), so every element must be written. test_cp_correctness_single_seq /
+# test_cp_correctness_long_seq (T up to 65536) are the same comparison without states: not ported.
+CP_T, CP_H = (8192, 16) if LARGE else (512, 4)
+
+
+def _make_cp_inputs(B, T, H, D):
+    """test_cp.py's make_inputs, on the CPU."""
+    q = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    g = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    beta = torch.randn(B, T, H, dtype=torch.bfloat16)
+    A_log = torch.randn(H, dtype=torch.float32).abs().neg()  # negative
+    dt_bias = torch.randn(H, D, dtype=torch.float32)
+    scale = D ** -0.5
+    lower_bound = -5.0
+    return q, k, v, g, beta, scale, A_log, dt_bias, lower_bound
+
+
+def _nan_like(x, dtype=None):
+    return torch.full_like(x, float("nan"), dtype=dtype)
+
+
+def test_cp_disabled():
+    """test_cp.py's test_cp_disabled: fwd_cp(auto_cp=False) gives fwd's output exactly."""
+    torch.manual_seed(42)
+    B, T, H, D = 1, CP_T, CP_H, 128
+    q, k, v, g, beta, scale, A_log, dt_bias, lower_bound = _make_cp_inputs(B, T, H, D)
+
+    out_ref = _nan_like(q)
+    flash_kda.fwd(q, k, v, g, beta, scale, out_ref, A_log, dt_bias, lower_bound)
+
+    out_cp = _nan_like(q)
+    flash_kda.fwd_cp(q, k, v, g, beta, scale, out_cp, A_log, dt_bias, lower_bound, auto_cp=False)
+
+    assert torch.allclose(out_ref, out_cp, atol=0, rtol=0), "auto_cp=False should be identical to fwd()"
+    assert torch.equal(out_ref.view(torch.int16), out_cp.view(torch.int16))  # bit for bit, signed zeros too
+    ref, _ = _fp64_reference(q, k, v, g, beta, torch.zeros(B, H, D, D), A_log, dt_bias, scale, lower_bound)
+    assert_close(out_cp.double(), ref, 0.005, "o")
+
+
+def test_cp_final_state():
+    """test_cp.py's test_cp_final_state: the final state of fwd_cp(auto_cp=True) equals fwd's
+    (FlashKDA: identical, or max |diff| < 1.0 when CP engages)."""
+    torch.manual_seed(42)
+    B, T, H, D = 1, CP_T, CP_H, 128
+    q, k, v, g, beta, scale, A_log, dt_bias, lower_bound = _make_cp_inputs(B, T, H, D)
+    A_log = -torch.ones(H, dtype=torch.float32) * 0.1
+
+    out_ref = _nan_like(q)
+    fs_ref = torch.full((B, H, D, D), float("nan"), dtype=torch.float32)
+    flash_kda.fwd(q, k, v, g, beta, scale, out_ref, A_log, dt_bias, lower_bound, final_state=fs_ref)
+
+    out_cp = _nan_like(q)
+    fs_cp = torch.full((B, H, D, D), float("nan"), dtype=torch.float32)
+    flash_kda.fwd_cp(q, k, v, g, beta, scale, out_cp, A_log, dt_bias, lower_bound, final_state=fs_cp, auto_cp=True)
+
+    max_diff = (fs_ref - fs_cp).abs().max().item()
+    print(f"[final_state] max_diff={max_diff:.6f}")
+    assert torch.allclose(fs_ref, fs_cp, atol=0, rtol=0) or max_diff < 1.0, f"final_state max_diff={max_diff}"
+    assert torch.equal(fs_ref, fs_cp) and torch.equal(out_ref.view(torch.int16), out_cp.view(torch.int16))
+    ref, ref_ht = _fp64_reference(q, k, v, g, beta, torch.zeros(B, H, D, D), A_log, dt_bias, scale, lower_bound)
+    assert_close(out_cp.double(), ref, 0.005, "o")
+    assert_close(fs_cp.double(), ref_ht, 0.005, "final_state")
+
+
+def test_cp_with_initial_state():
+    """test_cp.py's test_cp_with_initial_state: h0 (0.01 * randn, V-first) reaches fwd_cp's first
+    sub-segment: its output equals fwd's (FlashKDA: identical, or max |diff| < 0.1 when CP engages)."""
+    torch.manual_seed(42)
+    B, T, H, D = 1, CP_T, CP_H, 128
+    q, k, v, g, beta, scale, A_log, dt_bias, lower_bound = _make_cp_inputs(B, T, H, D)
+    A_log = -torch.ones(H, dtype=torch.float32) * 0.1
+    h0 = torch.randn(B, H, D, D, dtype=torch.float32) * 0.01
+
+    out_ref = _nan_like(q)
+    flash_kda.fwd(q, k, v, g, beta, scale, out_ref, A_log, dt_bias, lower_bound, initial_state=h0)
+
+    out_cp = _nan_like(q)
+    flash_kda.fwd_cp(q, k, v, g, beta, scale, out_cp, A_log, dt_bias, lower_bound, initial_state=h0, auto_cp=True)
+
+    diff = (out_ref.float() - out_cp.float()).abs()
+    print(f"[with_h0] max_diff={diff.max().item():.6f}, mean_diff={diff.mean().item():.6f}")
+    assert torch.allclose(out_ref, out_cp, atol=0, rtol=0) or diff.max().item() < 0.1, diff.max().item()
+    assert torch.equal(out_ref.view(torch.int16), out_cp.view(torch.int16))
+    ref, _ = _fp64_reference(q, k, v, g, beta, h0, A_log, dt_bias, scale, lower_bound)
+    assert_close(out_cp.double(), ref, 0.005, "o")
+    # The initial state matters: without it the output differs (h0 really reached the kernel).
+    out_no_h0 = _nan_like(q)
+    flash_kda.fwd_cp(q, k, v, g, beta, scale, out_no_h0, A_log, dt_bias, lower_bound, auto_cp=True)
+    assert not torch.equal(out_no_h0, out_cp)

@@ -741,3 +741,48 @@ def test_shard_map_over_the_batch_forward_and_grad():
     import sys
     r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_zero_heads_is_a_shape_error_naming_query():
+    """H = 0 (query [0, B, T, K]) is a ShapeError (a ValueError) naming the argument with the
+    expected and the actual value -- not the ZeroDivisionError of the `HV % H` check it precedes.
+    The batch-first API ([B, T, 0, K]) reaches the same check."""
+    x, _, _ = _small(B=1, T=5)
+    zero = dict(query=x["query"][:0], key=x["key"][:0], value=x["value"][:0], gate=x["gate"][:0],
+                beta=x["beta"][:0])
+    pattern = r"'query'.*expected H >= 1, got H = 0"
+    with pytest.raises(ValueError, match=pattern) as info:
+        kj.kimi_delta_attention(**zero)
+    assert isinstance(info.value, kj.ShapeError) and not isinstance(info.value, ZeroDivisionError)
+    with pytest.raises(ValueError, match=pattern):  # value heads present, query heads absent
+        kj.kimi_delta_attention(zero["query"], zero["key"], x["value"], x["gate"], x["beta"])
+    with pytest.raises(ValueError, match=pattern):
+        kj.IMPLEMENTATIONS["xla"].bind(**zero)
+    bf_zero = [np.moveaxis(np.asarray(zero[n]), 0, 2) for n in ("query", "key", "value", "gate", "beta")]
+    with pytest.raises(ValueError, match=pattern):
+        kj.kda.kimi_delta_attention(*bf_zero)
+
+
+def test_large_key_dimension_runs_through_xla():
+    """Tokamax's test_large_key_dimension_is_mosaic_specific (openxla/tokamax
+    tokamax/_src/ops/experimental/kda/pallas_mosaic_tpu_test.py @84c7a4fc): K = 257 through
+    implementation="xla" -- q = k = ones [1, 1, 1, 257], v ones [1, 1, 1, 1], g zeros, beta ones,
+    scale = 1.0 -- returns output of v's shape and no final state. Also checked against the fp64
+    oracle (one token: o = scale * |k|^2 * beta * v = 257). Its second half (the TPU "mosaic"
+    kernel raises NotImplementedError "up to 256") is a TPU kernel limit: here "mosaic" runs
+    libkda's kernels too, so it is checked to give the same result instead."""
+    q = jnp.ones((1, 1, 1, 257), dtype=jnp.float32)
+    v = jnp.ones((1, 1, 1, 1), dtype=jnp.float32)
+
+    def call(implementation):
+        return kj.kimi_delta_attention(q, jnp.ones_like(q), v, jnp.zeros_like(q), jnp.ones(q.shape[:-1], q.dtype),
+                                       scale=1.0, implementation=implementation)
+
+    output, final_state = call("xla")
+    assert output.shape == v.shape
+    assert final_state is None
+    ro, _ = libkda.naive_recurrent_kda(bf(q), bf(jnp.ones_like(q)), bf(v), bf(jnp.zeros_like(q)),
+                                       bf(jnp.ones(q.shape[:-1])), scale=1.0)
+    assert ro.reshape(-1)[0] == 257.0
+    assert_close(np.asarray(output, np.float64), hf(ro), BOUND[F32], "o")
+    _same(call("mosaic"), (output, final_state))
