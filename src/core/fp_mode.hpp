@@ -20,13 +20,19 @@ namespace kda::detail {
 class ScopedIeeeMode {
  public:
 #if defined(__SSE__) || defined(__x86_64__)
-  ScopedIeeeMode() : saved_(_mm_getcsr()) { _mm_setcsr(kIeee | (saved_ & kFlags)); }
-  ~ScopedIeeeMode() { _mm_setcsr((saved_ & ~kFlags) | (_mm_getcsr() & kFlags)); }
+  ScopedIeeeMode() : saved_(_mm_getcsr()) {
+    _mm_setcsr(kIeee | (saved_ & kFlags));
+  }
+  ~ScopedIeeeMode() {
+    _mm_setcsr((saved_ & ~kFlags) | (_mm_getcsr() & kFlags));
+  }
 
  private:
   static constexpr unsigned kIeee = 0x1f80;  // all exceptions masked, round to nearest, no FTZ / DAZ
   static constexpr unsigned kFlags = 0x3f;   // the sticky exception flags
   unsigned saved_;
+#else
+  ScopedIeeeMode() = default;  // other ISAs: the default environment is assumed
 #endif
   ScopedIeeeMode(const ScopedIeeeMode&) = delete;
   ScopedIeeeMode& operator=(const ScopedIeeeMode&) = delete;
