@@ -478,6 +478,13 @@ def chunk_kda(
             )
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
             raise ValueError(f"kda: argument 'cu_seqlens': expected shape [N + 1], got {list(cu_seqlens.shape)}")
+        if use_graph and max_num_seqs is not None and cu_seqlens.shape[0] - 1 != max_num_seqs:
+            # FLA's assert (AssertionError, kept under python -O); the buffer of a captured graph holds
+            # max_num_seqs sequences, padded with empty ones
+            raise AssertionError(
+                f"cu_seqlens must be padded with zero-length tail sequences to exactly max_num_seqs + 1 entries, "
+                f"got {cu_seqlens.shape[0] - 1} sequences with max_num_seqs={max_num_seqs} "
+                f"(argument 'cu_seqlens' of libkda.torch.chunk_kda with use_graph=True)")
         if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
             raise ValueError(
                 f"The number of initial states is expected to be equal to the number of input sequences, "

@@ -2,6 +2,7 @@
 // Every message names the argument, what was expected and what was given. Nothing is written
 // to any output before this has succeeded.
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -9,6 +10,9 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
 #endif
 #include <thread>
 
@@ -259,14 +263,36 @@ Status plan_initial_slots(const ForwardParams& prm, bool kfirst, bool has_ids, P
 
 }  // namespace
 
-int resolve_threads(int requested) {
-  if (requested > 0) return requested;
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  unsigned n = std::thread::hardware_concurrency();
-  return n ? static_cast<int>(n) : 1;
+namespace {
+
+// GNU OpenMP's thread pool does not survive fork(): in the child of a process that has run a
+// parallel region, the next team of more than one thread waits forever for the parent's workers,
+// which the child does not have (measured: a call hung in a child forked after one call in the
+// parent; with one thread it returned the parent's results bitwise). So, as PyTorch does, a process
+// forked after libkda ran a parallel team computes on one thread. Forks before any call, and
+// spawned processes, keep every thread.
+std::atomic<bool> g_team_started{false};
+std::atomic<bool> g_forked_after_team{false};
+
+#if defined(_OPENMP) && (defined(__unix__) || defined(__APPLE__))
+void mark_forked_child() {
+  if (g_team_started.load()) g_forked_after_team.store(true);
+}
+[[maybe_unused]] const bool kAtforkRegistered = pthread_atfork(nullptr, nullptr, mark_forked_child) == 0;
 #endif
+
+}  // namespace
+
+int resolve_threads(int requested) {
+  if (g_forked_after_team.load()) return 1;
+#ifdef _OPENMP
+  const int n = requested > 0 ? requested : omp_get_max_threads();
+#else
+  const unsigned hw = std::thread::hardware_concurrency();
+  const int n = requested > 0 ? requested : (hw ? static_cast<int>(hw) : 1);
+#endif
+  if (n > 1) g_team_started.store(true);
+  return n;
 }
 
 Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, bool backward) {

@@ -4,6 +4,11 @@
 
 #include "test_util.hpp"
 
+#if defined(__unix__)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
+
 namespace kda::test {
 namespace {
 
@@ -36,6 +41,32 @@ TEST(Memory, ForwardReleasesEverythingItAllocates) {
     EXPECT_GT(memory_stats().peak_bytes, before) << "the path allocated nothing through the accounting allocator";
   }
 }
+
+#if defined(__unix__)
+// GNU OpenMP's thread pool does not survive fork(): a child forked after a multi-threaded call
+// computes on one thread (src/core/validate.cpp, resolve_threads) instead of waiting forever for
+// the parent's workers, and gets the parent's results bitwise. The child exits through an alarm if
+// it hangs, so the test fails instead of hanging.
+TEST(Threads, ForkedChildComputesTheParentsResults) {
+  Case c;
+  c.T = 100, c.H = 4, c.HV = 4, c.K = 32, c.V = 32;
+  c.threads = 2;
+  const Inputs in = make_inputs(c);
+  const Outputs parent = run_forward(c, in, false);  // a team of two threads has run
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(60);
+    const Outputs child = run_forward(c, in, false);
+    _exit(child.o == parent.o && child.ht == parent.ht ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit (signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0)
+                                 << ": SIGALRM = " << SIGALRM << " means it hung)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's results differ from the parent's";
+}
+#endif
 
 TEST(TensorView, ContiguousAndPermutedStrides) {
   float data[24];

@@ -1053,3 +1053,17 @@ def test_chunk_transpose_state_layout_as_flash_kda_gold_reference(varlen):
     fla_assert_close("ht (K-first)", kf_ht.transpose(-1, -2), chunk_ht, 1e-4)
     with pytest.raises(ValueError, match="transpose_state_layout"):
         chunk_kda(**x, state_v_first=True, transpose_state_layout=True)
+
+
+def test_chunk_kda_graph_rejects_mismatched_sequence_capacity():
+    """FLA's chunk_kda asserts, with use_graph=True, that cu_seqlens holds exactly max_num_seqs + 1
+    entries (test_kda_graph.py's test_chunk_kda_graph_callable_rejects_mismatched_sequence_capacity
+    expects that AssertionError); without use_graph, max_num_seqs is ignored, as in FLA."""
+    x, _, _ = graph_inputs(0, False, False, GRAPH_H, 64)
+    q, k, v, g, beta = x[:5]
+    cu = torch.LongTensor([0, 20, 64])
+    with pytest.raises(AssertionError, match=r"max_num_seqs \+ 1 entries, got 2 sequences with max_num_seqs=4"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_graph=True, max_num_seqs=GRAPH_MAX_NUM_SEQS)
+    o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, max_num_seqs=GRAPH_MAX_NUM_SEQS)  # no graph: accepted
+    ref, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_graph=True, max_num_seqs=2)
+    assert torch.equal(o, ref)

@@ -63,3 +63,33 @@ def test_concurrent_calls_release_the_gil(rng):
         threaded = list(pool.map(lambda x: libkda.chunk_kda(**x, num_threads=1)[0], xs))
     for a, b in zip(serial, threaded):
         assert_bitwise(a, b)
+
+
+def test_forked_child_after_a_threaded_call(rng):
+    """GNU OpenMP's thread pool does not survive fork(): a child forked after a multi-threaded call
+    (multiprocessing's default start method on Linux, DataLoader workers, prefork servers) runs its
+    calls on one thread instead of waiting forever for the parent's workers, and gets the parent's
+    results bitwise. The child is killed after 60 s, so a hang fails the test instead of hanging it."""
+    import numpy as np
+    import time
+    x = make_inputs(rng, T=100, H=4, K=32, V=32)
+    o, s = libkda.chunk_kda(**x, num_threads=2, output_final_state=True)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, just an exit code
+        code = 3
+        try:
+            oc, sc = libkda.chunk_kda(**x, num_threads=2, output_final_state=True)
+            code = 0 if np.array_equal(oc, o) and np.array_equal(sc, s) else 4
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung in libkda.chunk_kda")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the forked child failed: exit {os.waitstatus_to_exitcode(status)}"
