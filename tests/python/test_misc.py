@@ -65,20 +65,22 @@ def test_concurrent_calls_release_the_gil(rng):
         assert_bitwise(a, b)
 
 
-def test_forked_child_after_a_threaded_call(rng):
-    """GNU OpenMP's thread pool does not survive fork(): a child forked after a multi-threaded call
-    (multiprocessing's default start method on Linux, DataLoader workers, prefork servers) runs its
-    calls on one thread instead of waiting forever for the parent's workers, and gets the parent's
-    results bitwise. The child is killed after 60 s, so a hang fails the test instead of hanging it."""
+FORK_SCRIPT = textwrap.dedent("""
+    import os, sys, time
     import numpy as np
-    import time
-    x = make_inputs(rng, T=100, H=4, K=32, V=32)
-    o, s = libkda.chunk_kda(**x, num_threads=2, output_final_state=True)
+    import libkda
+    rng = np.random.default_rng(0)
+    shape = (1, 100, 4, 32)
+    x = dict(q=rng.standard_normal(shape).astype(np.float32), k=rng.standard_normal(shape).astype(np.float32),
+             v=rng.standard_normal(shape).astype(np.float32),
+             g=(-0.1 * np.abs(rng.standard_normal(shape))).astype(np.float32),
+             beta=rng.uniform(0, 1, shape[:3]).astype(np.float32))
+    o, s = libkda.chunk_kda(**x, num_threads=2, use_qk_l2norm_in_kernel=True, output_final_state=True)
     pid = os.fork()
-    if pid == 0:  # the child: no pytest machinery, just an exit code
+    if pid == 0:
         code = 3
         try:
-            oc, sc = libkda.chunk_kda(**x, num_threads=2, output_final_state=True)
+            oc, sc = libkda.chunk_kda(**x, num_threads=2, use_qk_l2norm_in_kernel=True, output_final_state=True)
             code = 0 if np.array_equal(oc, o) and np.array_equal(sc, s) else 4
         finally:
             os._exit(code)
@@ -90,6 +92,19 @@ def test_forked_child_after_a_threaded_call(rng):
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-            raise AssertionError("the forked child hung in libkda.chunk_kda")
+            print("the forked child hung in libkda.chunk_kda")
+            sys.exit(1)
         time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0, f"the forked child failed: exit {os.waitstatus_to_exitcode(status)}"
+    code = os.waitstatus_to_exitcode(status)
+    print("ok" if code == 0 else f"the forked child failed: exit {code}")
+""")
+
+
+def test_forked_child_after_a_threaded_call():
+    """GNU OpenMP's thread pool does not survive fork(): a child forked after a multi-threaded call
+    (multiprocessing's default start method on Linux, DataLoader workers, prefork servers) runs its
+    calls on one thread instead of waiting forever for the parent's workers, and gets the parent's
+    results bitwise. In a fresh interpreter (numpy and libkda only: no other library's threads at
+    the fork); the child is killed after 60 s, so a hang fails the test instead of hanging it."""
+    r = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]
