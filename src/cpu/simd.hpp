@@ -180,10 +180,6 @@ static inline vf vsoftplus(vf x) {
   return vsoftplus_from(x, vexp(x < vsplat(0.0f) ? x : -x));
 }
 
-static inline vf vsigmoid(vf x) {
-  return vsplat(1.0f) / (vsplat(1.0f) + vexp(-x));
-}
-
 // x <- x * rsqrt(sum(x^2) + 1e-6) (SPEC.md 1.3) with 16 partial sums: a scalar reduction would
 // be one dependent add per element. Returns the factor (the backward's l2norm adjoint needs it).
 static inline float vl2normalize(float* x, std::int64_t n) {
