@@ -21,26 +21,35 @@ std::uint32_t bits(float x) {
   return b;
 }
 
-// vsum8 sums 8 vectors with the same pairwise additions as 8 vsums, so the V-first decode's
-// results do not depend on which of the two a row group uses.
-TEST(Simd, Vsum8IsBitwiseEightVsums) {
+// vsum4 and vsum8 sum 4 and 8 vectors with the same pairwise additions as that many vsums, so the
+// V-first decode's results do not depend on which one a row group uses.
+template <int N>
+void expect_bitwise_vsums(void (*batched)(const vf*, float*)) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   std::uniform_int_distribution<int> expo(-30, 30);
   for (int trial = 0; trial < 200; ++trial) {
-    vf v[8];
-    for (int i = 0; i < 8; ++i)
+    vf v[N];
+    for (int i = 0; i < N; ++i)
       for (int l = 0; l < kLanes; ++l) v[i][l] = std::ldexp(uni(rng), expo(rng));  // rounding-sensitive magnitudes
     if (trial == 0) {  // signed zeros and infinities keep their vsum result too
       v[0] = vsplat(-0.0f);
       v[1][3] = std::numeric_limits<float>::infinity();
     }
-    float got[8];
-    vsum8(v, got);
-    for (int i = 0; i < 8; ++i)
+    float got[N];
+    batched(v, got);
+    for (int i = 0; i < N; ++i)
       ASSERT_EQ(bits(got[i]), bits(vsum(v[i])))
-          << "trial " << trial << ", vector " << i << ": " << got[i] << " vs " << vsum(v[i]);
+          << "vsum" << N << ", trial " << trial << ", vector " << i << ": " << got[i] << " vs " << vsum(v[i]);
   }
+}
+
+TEST(Simd, Vsum4IsBitwiseFourVsums) {
+  expect_bitwise_vsums<4>(vsum4);
+}
+
+TEST(Simd, Vsum8IsBitwiseEightVsums) {
+  expect_bitwise_vsums<8>(vsum8);
 }
 
 struct GemmShape {
