@@ -230,6 +230,16 @@ static inline vf vfmadd(vf a, vf b, vf c) {
 #endif
 }
 
+// The scalar vfmadd: one rounding where the target has FMA hardware, a * b + c elsewhere, so that
+// a scalar loop and its 16-lane form round alike.
+static inline float sfmadd(float a, float b, float c) {
+#ifdef __AVX512F__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // Applies f to n floats (n need not be a multiple of 16).
 template <typename F>
 static inline void map_rows(float* y, const float* x, std::int64_t n, F f) {

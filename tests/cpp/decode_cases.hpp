@@ -71,8 +71,10 @@ inline std::vector<DecodeCase> decode_option_cases() {
     last.idx = {4, -1, 9};  // row 1 is padding
     last.name = std::string(o.name) + "_draft_tokens_row_slots";
     out.push_back(last);
-    // More draft tokens than one group of the K-first kernel (4): groups of 4 + 4 + 1 and 4 + 2.
-    for (std::int64_t T : {9, 6}) {
+    // One whole group of 4, and more draft tokens than one group: 4 + 4 + 1 and 4 + 2. (One group
+    // on V-first rows of whole vectors: 16 rows at a time, v_first_group_block16, the rows left
+    // over in pairs.)
+    for (std::int64_t T : {4, 9, 6}) {
       DecodeCase many = last;
       many.c.T = T;
       many.name = std::string(o.name) + "_draft_tokens_row_slots_T" + std::to_string(T);
