@@ -75,6 +75,22 @@ static inline float vsum(vf v) {
   return v[0];
 }
 
+// Two-source lane shuffles of the batched sums. Of two vectors a, b as 128-bit blocks a0..a3 and
+// b0..b3: halves_lo, halves_hi: [a0 a1 b0 b1], [a2 a3 b2 b3]; blocks_even, blocks_odd:
+// [a0 a2 b0 b2], [a1 a3 b1 b3] (each one vshuff32x4 on AVX-512).
+static inline vf halves_lo(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+}
+static inline vf halves_hi(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline vf blocks_even(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+}
+static inline vf blocks_odd(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
 // vsum of 8 vectors at once: out[i] = vsum(v[i]), bitwise, the same pairwise additions (lane l +
 // lane l + 8, then + 4, + 2, + 1) in 4 steps of two-source shuffles instead of 8 x 4 one-source ones.
 // Always inlined: GCC called it out of line from the V-first draft-token rows (8% of their time),
@@ -83,12 +99,9 @@ static inline __attribute__((always_inline)) void vsum8(const vf* v, float* out)
   static_assert(kLanes == 16, "vsum8's shuffles are written for 16 lanes");
   vf x[4], y[2];
   for (int i = 0; i < 4; ++i)  // lanes 0-7: v[2i]'s l + (l + 8), lanes 8-15: v[2i + 1]'s
-    x[i] =
-        __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-        __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    x[i] = halves_lo(v[2 * i], v[2 * i + 1]) + halves_hi(v[2 * i], v[2 * i + 1]);
   for (int i = 0; i < 2; ++i)  // 4 lanes per vector: + 4
-    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    y[i] = blocks_even(x[2 * i], x[2 * i + 1]) + blocks_odd(x[2 * i], x[2 * i + 1]);
   // 2 lanes per vector: + 2; then + 1
   vf z = __builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
          __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
@@ -101,12 +114,9 @@ static inline __attribute__((always_inline)) void vsum8(const vf* v, float* out)
 // + 1 within the blocks: 9 shuffles and adds for the 4 sums instead of 4 x 8.
 static inline void vsum4(const vf* v, float* out) {
   static_assert(kLanes == 16, "vsum4's shuffles are written for 16 lanes");
-  const vf x0 = __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                __builtin_shufflevector(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const vf x1 = __builtin_shufflevector(v[2], v[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                __builtin_shufflevector(v[2], v[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  vf y = __builtin_shufflevector(x0, x1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(x0, x1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vf x0 = halves_lo(v[0], v[1]) + halves_hi(v[0], v[1]);
+  const vf x1 = halves_lo(v[2], v[3]) + halves_hi(v[2], v[3]);
+  vf y = blocks_even(x0, x1) + blocks_odd(x0, x1);
   y += __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   y += __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   for (int i = 0; i < 4; ++i) out[i] = y[4 * i];
