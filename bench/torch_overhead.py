@@ -1,10 +1,10 @@
 """Per-call overhead of the libkda.torch ops for decode-sized calls, against the raw C++ binding
 (docs/PYTHON.md, "Zero copy and per-call overhead"). Run after `pip install .` with torch:
 
-    python3 bench/torch_overhead.py [--runs 5]
+    python3 bench/torch_overhead.py [--runs 5] [--number 2000]
 
-Prints, per path, the best per-call time (minimum over runs of the best of 9 timeit loops of 2000
-calls) in microseconds and the difference to the raw call.
+Prints, per path, the best per-call time (minimum over runs of the best of 9 timeit loops of
+--number calls) in microseconds and the difference to the raw call.
 """
 
 import argparse
@@ -20,6 +20,7 @@ from libkda import _libkda
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--number", type=int, default=2000, help="calls per timeit loop")
     args = ap.parse_args()
     torch.manual_seed(0)
     N, H, K, V, S = 1, 1, 16, 16, 4
@@ -33,7 +34,9 @@ def main():
     o = torch.empty(N, 1, H, V)
     d, nan = kt._desc, float("nan")
     descs = (d(q), d(k), d(v), d(g), d(beta), None, None, d(pool), d(idx), None, d(o))
-    fdescs = (d(q), d(k), d(v), d(g), d(beta), None, None, None, None, None, None, d(o), None, None)
+    # raw_forward's tensors: q k v g beta A_log dt_bias cu_seqlens segment_ids initial_state
+    # initial_state_indices o final_state chunk_states v_new (python/src/raw.cpp)
+    fdescs = (d(q), d(k), d(v), d(g), d(beta), None, None, None, None, None, None, d(o), None, None, None)
     arrays = [x.numpy() for x in (q, k, v, g, beta, pool, idx)]
 
     def desc_alloc_raw():
@@ -57,7 +60,7 @@ def main():
         for name, fn in paths.items():
             for _ in range(300):
                 fn()
-            t = min(timeit.repeat(fn, number=2000, repeat=9)) / 2000 * 1e6
+            t = min(timeit.repeat(fn, number=args.number, repeat=9)) / args.number * 1e6
             best[name] = min(best.get(name, t), t)
     for name, t in best.items():
         base = best["raw_forward (prebuilt descriptors)" if "chunk" in name or "forward" in name

@@ -1,6 +1,7 @@
 """The main job's peer comparison (bench/peers.py, run by scripts/bench.sh) runs and reports:
-one decode workload, one timed call, its JSON read back by bench/report.py. Timings are not
-checked (performance lives in benchmarks); that each row is there and well formed is."""
+one decode workload, one timed call, its JSON read back by bench/report.py; and the torch
+per-call overhead script (bench/torch_overhead.py) still calls the bindings as they are. Timings
+are not checked (performance lives in benchmarks); that each row is there and well formed is."""
 
 import json
 import pathlib
@@ -32,3 +33,17 @@ def test_peers_bench_rejects_an_unknown_workload():
     run = subprocess.run([sys.executable, str(BENCH / "peers.py"), "--workloads", "prefill"], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "unknown workload 'prefill'" in run.stderr, run.stderr
+
+
+def test_torch_overhead_bench_times_every_path():
+    """bench/torch_overhead.py calls the raw bindings with hand-built descriptor tuples; when
+    raw_forward gained the v_new descriptor the script broke unnoticed until a later run."""
+    import pytest
+    pytest.importorskip("torch")
+    run = subprocess.run([sys.executable, str(BENCH / "torch_overhead.py"), "--runs", "1", "--number", "20"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for path in ("raw_decode (prebuilt descriptors)", "libkda.torch.fused_recurrent_kda_fwd",
+                 "torch.ops.libkda.decode (dispatcher)", "numpy libkda.kda_decode",
+                 "raw_forward (prebuilt descriptors)", "libkda.torch.chunk_kda"):
+        assert path in run.stdout and " us " in run.stdout, run.stdout
