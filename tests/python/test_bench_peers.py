@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -38,7 +40,6 @@ def test_peers_bench_rejects_an_unknown_workload():
 def test_torch_overhead_bench_times_every_path():
     """bench/torch_overhead.py calls the raw bindings with hand-built descriptor tuples; when
     raw_forward gained the v_new descriptor the script broke unnoticed until a later run."""
-    import pytest
     pytest.importorskip("torch")
     run = subprocess.run([sys.executable, str(BENCH / "torch_overhead.py"), "--runs", "1", "--number", "20"],
                          capture_output=True, text=True, timeout=600)
