@@ -149,6 +149,49 @@ TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
   }
 }
 
+// A call whose K-first states pass 32 MB (cpu kKFirstStripMinBytes) decodes each state in column
+// strips, smaller calls in whole-row passes: both sum in row order, so one large call gives the
+// bits of the same rows decoded a few at a time (batch invariance), and the oracle's values. V =
+// 112: three strips of two vectors and one of one; row 3 is padding.
+TEST(DecodeExact, LargeCallsGiveTheBitsOfSmallOnes) {
+  DecodeCase dc;
+  dc.c.B = 160, dc.c.T = 1, dc.c.H = 2, dc.c.HV = 4, dc.c.K = 128, dc.c.V = 112;
+  dc.c.gate = Gate::kLowerBound;
+  dc.slots = 160;
+  for (std::int64_t n = 0; n < dc.c.B; ++n) dc.idx.push_back(n == 3 ? -1 : (n * 7) % dc.c.B);
+  ASSERT_GE(dc.c.B * dc.c.HV * dc.c.K * dc.c.V * 4, std::int64_t{32} << 20) << "the large call must use strips";
+  DecodeData d = make_decode_data(dc);
+  std::vector<double> eo, ep;
+  oracle_decode(dc, d, &eo, &ep);
+  const HostTensor pool0 = d.pool;
+  HostTensor o_large(DType::kF32, {dc.c.B, 1, dc.c.HV, dc.c.V}), idx, acc;
+  const DecodeParams large = make_decode_params(dc, d, o_large, idx, acc);
+  ASSERT_TRUE(decode(large).ok());
+  const std::vector<double> pool_large = d.pool.to_double();
+
+  d.pool = pool0;
+  HostTensor o_small(DType::kF32, {dc.c.B, 1, dc.c.HV, dc.c.V});
+  DecodeParams small = make_decode_params(dc, d, o_small, idx, acc);
+  constexpr std::int64_t kRows = 8;  // 8 x 4 states of 56 KB: whole-row passes
+  auto rows_of = [](TensorView t, std::int64_t r0) {
+    t.data = static_cast<char*>(t.data) + r0 * t.strides[0] * static_cast<std::int64_t>(dtype_size(t.dtype));
+    t.shape[0] = kRows;
+    return t;
+  };
+  for (std::int64_t r0 = 0; r0 < dc.c.B; r0 += kRows) {
+    DecodeParams part = small;
+    for (TensorView* t : {&part.q, &part.k, &part.v, &part.g, &part.beta, &part.o, &part.slot_indices})
+      *t = rows_of(*t, r0);
+    const Status s = decode(part);
+    ASSERT_TRUE(s.ok()) << "rows " << r0 << ": " << s.message();
+  }
+  expect_bitwise(o_large.to_double(), o_small.to_double(), "o, one call vs calls of 8 rows");
+  expect_bitwise(pool_large, d.pool.to_double(), "pool, one call vs calls of 8 rows");
+  const Metric mo = compare(o_large.to_double(), eo), mp = compare(pool_large, ep);
+  EXPECT_TRUE(mo.finite && mo.rel <= forward_bound(dc.c.dtype)) << "o: " << mo.str();
+  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str();
+}
+
 // Draft tokens' states written to their own slots go past the caches where the pool's lines are
 // 64-byte aligned and through plain stores where they are not: the same bits either way, and the
 // oracle's values.
