@@ -398,6 +398,16 @@ def _bind(query, key, value, gate, beta, *, a_log=None, delta_time_bias=None, sc
     if H < 1:  # before the HV % H check below, which would divide by zero
         raise ShapeError(f"`q` must have at least one head (argument 'query', head-first [H, B, T, K]): expected "
                          f"H >= 1, got H = {H} (shape {tuple(query.shape)}).")
+    # The kernels' contract (and the numpy and torch entries): a state has K >= 1 rows and V >= 1
+    # columns; B = 0 or T = 0 are valid empty calls. Checked here, before tracing, rather than in
+    # the custom call at run time (where K = 0 surfaced as a JaxRuntimeError and V = 0 slipped
+    # through the empty-output shortcut).
+    if K < 1:
+        raise ShapeError(f"`q` must have a key dimension of at least 1 (argument 'query', head-first [H, B, T, K]): "
+                         f"expected K >= 1, got K = {K} (shape {tuple(query.shape)}).")
+    if V < 1:
+        raise ShapeError(f"`v` must have a value dimension of at least 1 (argument 'value', head-first "
+                         f"[HV, B, T, V]): expected V >= 1, got V = {V} (shape {tuple(value.shape)}).")
     for name, x in (("query", query), ("key", key), ("value", value), ("gate", gate), ("beta", beta)):
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"kda: argument '{name}': expected a floating dtype (float32, bfloat16, float16 or "

@@ -763,6 +763,30 @@ def test_zero_heads_is_a_shape_error_naming_query():
         kj.kda.kimi_delta_attention(*bf_zero)
 
 
+@pytest.mark.parametrize("dim", ["K", "V"])
+def test_zero_key_or_value_dimension_is_a_shape_error_before_running(dim):
+    """K = 0 or V = 0 is a ShapeError (a ValueError) raised by validation, naming the argument and
+    the expected and actual value, as the numpy and torch entries reject it: not a JaxRuntimeError
+    from the custom call at run time (K = 0 was), nor an empty output (V = 0 was). Head-first,
+    batch-first and ``bind``."""
+    x, _, _ = _small(B=1, T=5)
+    if dim == "K":
+        zero = dict(x, query=x["query"][..., :0], key=x["key"][..., :0], gate=x["gate"][..., :0])
+        pattern = r"'query'.*expected K >= 1, got K = 0"
+    else:
+        zero = dict(x, value=x["value"][..., :0])
+        pattern = r"'value'.*expected V >= 1, got V = 0"
+    zero = {n: zero[n] for n in ("query", "key", "value", "gate", "beta")}
+    with pytest.raises(ValueError, match=pattern) as info:
+        kj.kimi_delta_attention(**zero)
+    assert isinstance(info.value, kj.ShapeError)
+    with pytest.raises(ValueError, match=pattern):
+        kj.IMPLEMENTATIONS["xla"].bind(**zero)
+    bf_zero = [np.moveaxis(np.asarray(zero[n]), 0, 2) for n in ("query", "key", "value", "gate", "beta")]
+    with pytest.raises(ValueError, match=pattern):
+        kj.kda.kimi_delta_attention(*bf_zero)
+
+
 def test_large_key_dimension_runs_through_xla():
     """Tokamax's test_large_key_dimension_is_mosaic_specific (openxla/tokamax
     tokamax/_src/ops/experimental/kda/pallas_mosaic_tpu_test.py @84c7a4fc): K = 257 through
