@@ -19,15 +19,16 @@ enum class Path : std::uint8_t {
 const char* path_name(Path path);
 
 struct Options {
-  // Query scale; NaN means the default K^-0.5.
-  float scale = NAN;
+  // Query scale; NaN means the default K^-0.5. Double so that the fp64 oracle (reference_forward,
+  // reference_backward) uses the value given; the kernels compute with it rounded to fp32.
+  double scale = NAN;
   // SPEC.md 1.3: q, k <- x * rsqrt(sum(x^2) + 1e-6), per token, in fp32.
   bool use_qk_l2norm_in_kernel = false;
   // SPEC.md 1.3: g is the raw gate. Without lower_bound: g = -exp(A_log) * softplus(g + dt_bias)
   // (A_log required). With lower_bound: g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)).
   bool use_gate_in_kernel = false;
   bool has_lower_bound = false;
-  float lower_bound = 0.0f;  // must be < 0 when has_lower_bound
+  double lower_bound = 0.0;  // must be < 0 when has_lower_bound (the kernels: rounded to fp32)
   // SPEC.md 1.3: beta = c * sigmoid(beta_raw), c = 2 with allow_neg_eigval.
   bool use_beta_sigmoid_in_kernel = false;
   bool allow_neg_eigval = false;

@@ -389,7 +389,28 @@ def _check_tensors(ints=(), **tensors):
                              f"{t.dtype}")
 
 
-def _state_v_first_kwarg(state_v_first, kwargs):
+# Keywords of other stacks' KDA entries that change what a call computes and that libkda's FLA
+# signatures do not implement. FLA's functions take **kwargs and ignore what they do not know, and
+# so do these, but passing one of these must not silently give another computation: SGLang's
+# chunk_kda updates a state pool at initial_state_indices in place (here: kda_inference reads a
+# pool by index, and the decode entries write one); vLLM's retrieve_parent_token selects each draft
+# token's parent in a token tree (EAGLE), where these run a chain.
+_PEER_ONLY_KEYWORDS = {
+    "initial_state_indices": "SGLang's pooled chunk_kda (libkda: libkda.kda_inference reads initial states "
+                             "from a pool by index; fused_recurrent_kda_fwd with ssm_state_indices updates one)",
+    "retrieve_parent_token": "vLLM's tree speculative decoding (libkda decodes draft tokens as a chain)",
+}
+
+
+def _reject_peer_only_keywords(kwargs, function):
+    for name in kwargs:
+        if name in _PEER_ONLY_KEYWORDS:
+            raise TypeError(f"libkda.torch.{function}: keyword '{name}' is not supported: "
+                            f"{_PEER_ONLY_KEYWORDS[name]}")
+
+
+def _state_v_first_kwarg(state_v_first, kwargs, function):
+    _reject_peer_only_keywords(kwargs, function)
     if "transpose_state_layout" in kwargs:  # FLA's deprecated name
         if state_v_first:
             raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
@@ -460,11 +481,18 @@ def chunk_kda(
 
     ``safe_gate``, ``cu_seqlens_cpu``, ``use_graph`` and ``max_num_seqs`` are accepted for
     compatibility and do not change the result (``safe_gate`` validates ``lower_bound`` as FLA
-    does); ``cp_context`` is not supported.
+    does; with ``use_graph``, varlen ``h`` has FLA's static capacity of ceil(T / chunk_size) + N - 1
+    chunk states, zeros after the last chunk, and ``graph_mode="eager"`` is an error);
+    ``cp_context`` is not supported. Other stacks' keywords that would change the computation
+    (SGLang's ``initial_state_indices``, vLLM's ``retrieve_parent_token``) raise TypeError; other
+    unknown keywords are ignored, as FLA ignores them.
 
     Returns ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32 or None.
     """
-    state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    state_v_first = _state_v_first_kwarg(state_v_first, kwargs, "chunk_kda")
+    if kwargs.get("graph_mode") == "eager" and use_graph:  # FLA main's check
+        raise ValueError("libkda.torch.chunk_kda: graph_mode='eager' conflicts with use_graph=True "
+                         "(argument 'graph_mode')")
     if cp_context is not None:
         raise NotImplementedError("libkda.torch.chunk_kda: context parallelism (cp_context) is not supported")
     gate_params = dict(A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"))
@@ -525,6 +553,11 @@ def chunk_kda(
         B, T = q.shape[0], q.shape[1]
         nc = _exact_chunks(B, T, cu_seqlens, chunk_size)
         h = cs[:nc]
+        if use_graph and cu_seqlens is not None:
+            # FLA sizes h by the static chunk capacity of a captured step, ceil(T / chunk_size) +
+            # N - 1 (its nt_max), whatever cu_seqlens holds; the slots after the last chunk are 0.
+            cap = _chunk_capacity(B, T, cu_seqlens, chunk_size)
+            h = torch.cat([h, h.new_zeros((cap - nc,) + tuple(h.shape[1:]))]) if cap > nc else h
         h = h.unflatten(0, (B, nc // B if B else 0)) if cu_seqlens is None else h.unsqueeze(0)
         return o, (fs if output_final_state else None), h.to(k.dtype)  # FLA: h in the input dtype
 
@@ -584,7 +617,7 @@ def fused_recurrent_kda(
     ``store_dtype`` (a torch dtype, e.g. float16 or float8_e4m3fn; keyword) returns the final state
     in that dtype: computed in fp32 as always, then cast (the FLA fork's state compression).
     """
-    state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    state_v_first = _state_v_first_kwarg(state_v_first, kwargs, "fused_recurrent_kda")
     beta = _recurrent_beta(beta, q, v, use_beta_sigmoid_in_kernel, "fused_recurrent_kda")
     if kwargs.get("ssm_state_indices") is not None:
         return fused_recurrent_kda_fwd(
@@ -685,7 +718,7 @@ def fused_recurrent_kda_fwd(
     ``output_final_state=True``, the float32 state after every token comes back (else None).
     ``out``, when given, receives o (a copy).
     """
-    state_v_first = _state_v_first_kwarg(state_v_first, kwargs)
+    state_v_first = _state_v_first_kwarg(state_v_first, kwargs, "fused_recurrent_kda_fwd")
     beta = _recurrent_beta(beta, q, v, use_beta_sigmoid_in_kernel, "fused_recurrent_kda_fwd")
     _check_out(out, v)
     if inplace_final_state and initial_state is None:

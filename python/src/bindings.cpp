@@ -74,15 +74,15 @@ kda::Path parse_path(const std::string& path) {
 }
 
 // The options shared by the forward and decode (chunk_size and path are the forward's own).
-kda::Options make_options(std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
-                          std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+kda::Options make_options(std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
+                          std::optional<double> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
                           bool state_v_first, int num_threads) {
   kda::Options opt;
   opt.scale = scale ? *scale : NAN;
   opt.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
   opt.use_gate_in_kernel = use_gate_in_kernel;
   opt.has_lower_bound = lower_bound.has_value();
-  opt.lower_bound = lower_bound ? *lower_bound : 0.0f;
+  opt.lower_bound = lower_bound ? *lower_bound : 0.0;
   opt.use_beta_sigmoid_in_kernel = use_beta_sigmoid_in_kernel;
   opt.allow_neg_eigval = allow_neg_eigval;
   opt.state_layout = state_v_first ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;
@@ -95,9 +95,9 @@ kda::Options make_options(std::optional<float> scale, bool use_qk_l2norm_in_kern
 kda::ForwardParams forward_params(const In& q, const In& k, const In& v, const In& g, const In& beta, const In& A_log,
                                   const In& dt_bias, const In& cu_seqlens, const In& segment_ids,
                                   std::int64_t max_num_segments, const In& initial_state,
-                                  const In& initial_state_indices, std::optional<float> scale,
+                                  const In& initial_state_indices, std::optional<double> scale,
                                   bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
-                                  std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel,
+                                  std::optional<double> lower_bound, bool use_beta_sigmoid_in_kernel,
                                   bool allow_neg_eigval, int chunk_size, bool state_v_first, const std::string& path,
                                   int num_threads, bool bf16_dot_products) {
   kda::ForwardParams p;
@@ -136,8 +136,8 @@ void call(Fn&& fn) {
 #define KDA_FORWARD_ARGS                                                                                   \
   const In &q, const In &k, const In &v, const In &g, const In &beta, const In &A_log, const In &dt_bias,  \
       const In &cu_seqlens, const In &segment_ids, std::int64_t max_num_segments, const In &initial_state, \
-      const In &initial_state_indices, std::optional<float> scale, bool use_qk_l2norm_in_kernel,           \
-      bool use_gate_in_kernel, std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel,          \
+      const In &initial_state_indices, std::optional<double> scale, bool use_qk_l2norm_in_kernel,          \
+      bool use_gate_in_kernel, std::optional<double> lower_bound, bool use_beta_sigmoid_in_kernel,         \
       bool allow_neg_eigval, int chunk_size, bool state_v_first, const std::string &path, int num_threads, \
       bool bf16_dot_products
 #define KDA_FORWARD_PARAMS                                                                                   \
@@ -199,8 +199,8 @@ void backward_entry(KDA_FORWARD_ARGS, const In& chunk_states, const In& v_new, c
 // kda::decode: the pool is an output view (updated in place, never copied); o is written.
 void decode_entry(const In& q, const In& k, const In& v, const In& g, const In& beta, const In& A_log,
                   const In& dt_bias, const Out& state_pool, const In& slot_indices, const In& num_accepted_tokens,
-                  std::optional<float> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
-                  std::optional<float> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+                  std::optional<double> scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel,
+                  std::optional<double> lower_bound, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
                   bool state_v_first, int num_threads, const Out& o) {
   kda::DecodeParams p;
   p.q = make_view(q, "q");

@@ -88,11 +88,11 @@ void expect_count(const nb::tuple& tensors, Py_ssize_t n, const char* fn) {
 
 kda::Options options_of(double scale, double lower_bound, std::int64_t flags, std::int64_t num_threads) {
   kda::Options opt;
-  opt.scale = static_cast<float>(scale);  // NaN: the default K^-0.5
+  opt.scale = scale;  // NaN: the default K^-0.5
   opt.use_qk_l2norm_in_kernel = (flags & kL2Norm) != 0;
   opt.use_gate_in_kernel = (flags & kGateInKernel) != 0;
   opt.has_lower_bound = !std::isnan(lower_bound);
-  opt.lower_bound = opt.has_lower_bound ? static_cast<float>(lower_bound) : 0.0f;
+  opt.lower_bound = opt.has_lower_bound ? lower_bound : 0.0;
   opt.use_beta_sigmoid_in_kernel = (flags & kBetaSigmoid) != 0;
   opt.allow_neg_eigval = (flags & kAllowNegEigval) != 0;
   opt.state_layout = (flags & kVFirst) ? kda::StateLayout::kVFirst : kda::StateLayout::kKFirst;

@@ -46,10 +46,12 @@ struct Problem {
   std::int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
   std::int64_t group = 1;  // HV / H: value heads per q/k head
   std::int64_t num_states = 0;
-  float scale = 1.0f;
+  float scale = 1.0f;    // the kernels'
+  double scale64 = 1.0;  // the fp64 oracle's: Options::scale (or K^-0.5) unrounded
   GateMode gate = GateMode::kLogDecay;
-  float lower_bound = 0.0f;
-  float beta_scale = 1.0f;  // c of SPEC.md 1.3
+  float lower_bound = 0.0f;    // the kernels'
+  double lower_bound64 = 0.0;  // the fp64 oracle's
+  float beta_scale = 1.0f;     // c of SPEC.md 1.3
   bool beta_sigmoid = false;
   bool l2norm = false;
   int chunk = 64;

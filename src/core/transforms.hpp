@@ -70,7 +70,7 @@ static inline T activate_gate(const Problem& p, const GateParams<T>& gp, T raw, 
     case GateMode::kSoftplus:
       return -gp.a * softplus(raw + gp.bias_at(d));
     case GateMode::kLowerBoundSigmoid:
-      return T(p.lower_bound) * sigmoid(gp.a * (raw + gp.bias_at(d)));
+      return T(p.lower_bound64) * sigmoid(gp.a * (raw + gp.bias_at(d)));  // T = float: p.lower_bound
   }
   return raw;
 }

@@ -347,20 +347,22 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
   if (opt.num_threads < 0) return fail("option 'num_threads': expected >= 0 (0 = all cores), got ", opt.num_threads);
   p.threads = resolve_threads(opt.num_threads);
   if (std::isnan(opt.scale)) {
-    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.K)));
+    p.scale64 = 1.0 / std::sqrt(static_cast<double>(p.K));
   } else if (!std::isfinite(opt.scale)) {
     return fail("option 'scale': expected a finite value, got ", opt.scale);
   } else {
-    p.scale = opt.scale;
+    p.scale64 = opt.scale;
   }
+  p.scale = static_cast<float>(p.scale64);
   p.l2norm = opt.use_qk_l2norm_in_kernel;
   if (opt.use_gate_in_kernel) {
     if (opt.has_lower_bound) {
-      if (!(opt.lower_bound < 0.0f) || !std::isfinite(opt.lower_bound)) {
+      if (!(opt.lower_bound < 0.0) || !std::isfinite(opt.lower_bound)) {
         return fail("option 'lower_bound': expected a finite value < 0, got ", opt.lower_bound);
       }
       p.gate = GateMode::kLowerBoundSigmoid;
-      p.lower_bound = opt.lower_bound;
+      p.lower_bound = static_cast<float>(opt.lower_bound);
+      p.lower_bound64 = opt.lower_bound;
     } else {
       p.gate = GateMode::kSoftplus;
       if (!prm.A_log.defined()) {

@@ -161,7 +161,7 @@ Status reference_backward(const BackwardParams& prm) {
             r[j] = tk.v[j] - acc;
           }
           // 4. o = scale S^T q
-          const double scale = p.scale;
+          const double scale = p.scale64;
           for (std::int64_t i = 0; i < K; ++i) {
             double acc = 0;
             for (std::int64_t j = 0; j < V; ++j) {
@@ -224,7 +224,7 @@ Status reference_backward(const BackwardParams& prm) {
                 da = tk.g[i];
               } else {
                 const double z = c.gp.a * x;
-                dx = p.lower_bound * detail::sigmoid(z) * detail::sigmoid(-z) * c.gp.a;
+                dx = p.lower_bound64 * detail::sigmoid(z) * detail::sigmoid(-z) * c.gp.a;
                 da = dx * x;
               }
               dgraw = dgam[i] * dx;

@@ -84,7 +84,7 @@ Status reference_forward(const ForwardParams& prm) {
         double acc = 0;
         for (std::int64_t i = 0; i < K; ++i) acc += S[i * V + j] * qt[i];
         store_from<double>(o.data, o.dtype, b * o.strides[0] + t * o.strides[1] + hv * o.strides[2] + j * o.strides[3],
-                           acc * static_cast<double>(p.scale));
+                           acc * p.scale64);
       }
     }
     if (prm.final_state.defined()) {

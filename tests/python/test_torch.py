@@ -558,3 +558,29 @@ def test_fused_kda_gate_older_signature_with_b():
     assert torch.allclose(b.grad.float(), s * (1 - s), rtol=1e-2, atol=1e-3)
     with pytest.raises(TypeError, match="older form"):
         kt.fused_kda_gate(g.unflatten(-1, (H, K)), A_log, b=b)
+
+
+@pytest.mark.parametrize("function,keyword,value", [
+    ("chunk_kda", "initial_state_indices", [1, 0]),
+    ("chunk_kda", "retrieve_parent_token", [[-1, 0, 0]]),
+    ("fused_recurrent_kda", "initial_state_indices", [1, 0]),
+    ("fused_recurrent_kda_fwd", "retrieve_parent_token", [[-1, 0, 0]]),
+])
+def test_peer_keywords_that_change_the_computation_raise(function, keyword, value):
+    """FLA's functions ignore keywords they do not know, and so do libkda's, except other stacks'
+    keywords that would make the call compute something else (SGLang's pooled chunk_kda, vLLM's
+    tree speculation): those raise TypeError naming the keyword, before anything is written."""
+    x, _, _ = make(3, B=1, T=8, H=1, K=16, V=16)
+    pool = torch.randn(2, 1, 16, 16)
+    before = pool.clone()
+    kwargs = {keyword: torch.tensor(value)}
+    if function == "fused_recurrent_kda_fwd":  # the decode entry: one token per row, slot per row
+        x = {n: t.reshape(t.shape[1], 1, *t.shape[2:]) for n, t in x.items()}
+        kwargs.update(ssm_state_indices=torch.tensor([1, 0, 1, 0, 1, 0, 1, 0]))
+        pool = torch.randn(2, 1, 16, 16)
+        before = pool.clone()
+    else:
+        kwargs.update(cu_seqlens=torch.tensor([0, 4, 8]))
+    with pytest.raises(TypeError, match=f"libkda.torch.{function}: keyword '{keyword}' is not supported"):
+        getattr(kt, function)(**x, initial_state=pool, **kwargs)
+    assert torch.equal(pool, before)
