@@ -550,6 +550,20 @@ def test_chunk_use_beta_sigmoid_in_kernel(B, T, H, D, allow_neg_eigval, dtype):
         fla_assert_close(name, r, t, 1e-4)
 
 
+def layout_call(fn, keyword, v_first, **kw):
+    """fn(**kw) with the state layout chosen by `keyword`: state_v_first, or FLA's deprecated
+    transpose_state_layout (the name of an earlier test_kda.py's test_chunk_transpose_state /
+    test_fused_recurrent_transpose_state, which pass it as True and False explicitly), which
+    must warn."""
+    if keyword == "state_v_first":
+        return fn(**kw, state_v_first=v_first)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        return fn(**kw, transpose_state_layout=v_first)
+
+
+LAYOUT_KEYWORDS = pytest.mark.parametrize("layout_keyword", ["state_v_first", "transpose_state_layout"])
+
+
 # ------------------------------------------------------------------------------------------
 # test_chunk_state_v_first: the V-first state layout ([V, K]) against K-first, within 1e-4.
 @pytest.mark.parametrize("B,T,H,D,scale,norm,dtype", [
@@ -558,7 +572,8 @@ def test_chunk_use_beta_sigmoid_in_kernel(B, T, H, D, allow_neg_eigval, dtype):
     (3, 1024, 4, 128, 0.1, 1, torch.float16),
     (4, 2048, 8, 64, 0.1, 1, torch.float16),
 ])
-def test_chunk_state_v_first(B, T, H, D, scale, norm, dtype):
+@LAYOUT_KEYWORDS
+def test_chunk_state_v_first(B, T, H, D, scale, norm, dtype, layout_keyword):
     T, H = cap_t(T), cap_h(H)
     torch.manual_seed(42)
     q = torch.rand(B, T, H, D, dtype=dtype)
@@ -574,10 +589,10 @@ def test_chunk_state_v_first(B, T, H, D, scale, norm, dtype):
     dht_kv = dht_vk.transpose(-1, -2).contiguous()
     x = lambda: dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta,  # noqa: E731
                      scale=scale, output_final_state=True)
-    tri, tri_ht = chunk_kda(**x(), initial_state=h0_vk, state_v_first=True)
+    tri, tri_ht = layout_call(chunk_kda, layout_keyword, True, **x(), initial_state=h0_vk)
     ((tri * do).sum() + (tri_ht * dht_vk).sum()).backward()
     tri_g = grads(q, k, v, g, beta, h0_vk)
-    ref, ref_ht = chunk_kda(**x(), initial_state=h0_kv, state_v_first=False)
+    ref, ref_ht = layout_call(chunk_kda, layout_keyword, False, **x(), initial_state=h0_kv)
     ((ref * do).sum() + (ref_ht * dht_kv).sum()).backward()
     ref_g = grads(q, k, v, g, beta, h0_kv)
     fla_assert_close("o", ref, tri, 1e-4)
@@ -770,13 +785,14 @@ def test_fused_recurrent_use_beta_sigmoid_in_kernel(B, T, H, D, allow_neg_eigval
 # transpose_state_layout keyword (a DeprecationWarning; ValueError together with state_v_first).
 @pytest.mark.parametrize("B,T,H,D,scale,norm", [(1, 64, 1, 64, 1, 1), (2, 512, 3, 60, 1, 1),
                                                 (3, 1000, 4, 100, 0.1, 1), (4, 1024, 4, 128, 0.1, 1)])
-def test_fused_recurrent_state_v_first(B, T, H, D, scale, norm):
+@LAYOUT_KEYWORDS
+def test_fused_recurrent_state_v_first(B, T, H, D, scale, norm, layout_keyword):
     q, k, v, g, beta, h0_kv = fp32_inputs(B, cap_t(T), H, H, D, norm)
     h0_vk = h0_kv.transpose(-1, -2).contiguous()
     x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta, scale=scale,
              output_final_state=True, use_qk_l2norm_in_kernel=False)
-    ref, ref_ht = fused_recurrent_kda(**x, initial_state=h0_kv, state_v_first=False)
-    tri, tri_ht = fused_recurrent_kda(**x, initial_state=h0_vk, state_v_first=True)
+    ref, ref_ht = layout_call(fused_recurrent_kda, layout_keyword, False, **x, initial_state=h0_kv)
+    tri, tri_ht = layout_call(fused_recurrent_kda, layout_keyword, True, **x, initial_state=h0_vk)
     fla_assert_close("o", ref, tri, 1e-4)
     fla_assert_close("ht", ref_ht, tri_ht.transpose(-1, -2), 1e-4)
     with pytest.warns(DeprecationWarning):

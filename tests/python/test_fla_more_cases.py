@@ -26,10 +26,11 @@ port. Sources (stored versions read through the code index):
   ``graph_mode="eager"`` with ``use_graph=True`` is a ValueError ("conflicts").
 - tests/ops/test_kda_compression.py @f7a5ebfe94eb6e3cc4264b93d3f6299a95319222: test_delta_checkpoint
   (its other tests are in test_fla_cases.py; test_lowrank_* test torch.linalg.svd only).
-- tests/ops/test_kda.py: an earlier stored version's test_chunk_transpose_state and
-  test_fused_recurrent_transpose_state (``transpose_state_layout=True`` and ``=False`` passed
-  explicitly, before the rename to ``state_v_first``) and its test_fused_recurrent_vllm_decode call
-  with ``use_exp2=False``; the newest stored version's ``_flash_kda_gold``, which is
+- tests/ops/test_kda.py: an earlier stored version's test_fused_recurrent_vllm_decode call with
+  ``use_exp2=False`` (its test_chunk_transpose_state and test_fused_recurrent_transpose_state,
+  ``transpose_state_layout=True`` and ``=False`` passed explicitly, are test_fla_cases.py's
+  test_chunk_state_v_first / test_fused_recurrent_state_v_first with layout_keyword
+  "transpose_state_layout"); the newest stored version's ``_flash_kda_gold``, which is
   ``fused_recurrent_kda`` itself called in float64 with the gate in kernel, V-first states and
   cu_seqlens. (@d1097c609b23b5f478f490da0fbd00060b0e9dc3 is an older, shorter version whose five
   tests are all in test_fla_cases.py.)
@@ -38,8 +39,7 @@ Metric and tolerances are FLA's (fla_assert_close: rms(ref - ours) / rms(ref), s
 largest absolute error is below 1e-6). Sizes: as FLA's, except the option matrix's
 "fp16-long-sequence-large-head" (T = 2048 cut to 512, layouts [0, 1023, 2048], [0, 65, 1024],
 [0, 1, 2048] to [0, 255, 512], [0, 65, 256], [0, 1, 512]) and the graph layouts "4seq" /
-"4seq_alt" (T = 1024 scaled to 256, boundaries / 4), the transpose_state cases (T <= 256,
-H <= 4, as in test_fla_cases.py) and the _flash_kda_gold cases (T <= 256, H <= 4, varlen
+"4seq_alt" (T = 1024 scaled to 256, boundaries / 4), and the _flash_kda_gold cases (T <= 256, H <= 4, varlen
 sequences <= 128 tokens); KDA_LARGE_TESTS=1 runs FLA's sizes.
 
 Three of these found differences that libkda then fixed (twenty-second session):
@@ -457,79 +457,6 @@ def test_delta_checkpoint():
             err = (state - recomposed).abs().max().item()
             bound = d.abs().max().item() * (2.0 ** -4 if HAS_FP8 else 2.0 ** -11) + 1e-6
             assert err <= bound, f"delta at {t}: err={err:.6f} > {bound:.6f}"
-
-
-# ------------------------------------------------------------------------------------------
-# test_kda.py, the version before the rename to state_v_first: test_chunk_transpose_state and
-# test_fused_recurrent_transpose_state pass transpose_state_layout=True and =False explicitly
-# (now FLA's deprecated name, honoured with its DeprecationWarning), gradients included for
-# chunk_kda, within 1e-4 of each other.
-@pytest.mark.parametrize("B,T,H,D,scale,norm,dtype", [
-    (1, 63, 1, 64, 1, 1, torch.float16),
-    (2, 500, 3, 60, 1, 1, torch.float16),
-    (3, 1024, 4, 128, 0.1, 1, torch.float16),
-    (4, 2048, 8, 64, 0.1, 1, torch.float16),
-])
-def test_chunk_transpose_state(B, T, H, D, scale, norm, dtype):
-    T, H = cap_t(T), cap_h(H)
-    torch.manual_seed(42)
-    q = torch.rand(B, T, H, D, dtype=dtype)
-    k = torch.rand(B, T, H, D, dtype=dtype)
-    v = torch.rand(B, T, H, D, dtype=dtype)
-    g = F.logsigmoid(torch.randn(B, T, H, D, dtype=torch.float)) / norm
-    beta = torch.randn(B, T, H, dtype=dtype).sigmoid()
-    h0_kv = torch.randn(B, H, D, D, dtype=torch.float32)
-    h0_vk = h0_kv.transpose(-1, -2).contiguous()
-    q, k, v, g, beta, h0_kv, h0_vk = leaves(q, k, v, g, beta, h0_kv, h0_vk)
-    do = torch.randn_like(v)
-    dht_vk = torch.randn(B, H, D, D, dtype=torch.float32)
-    dht_kv = dht_vk.transpose(-1, -2).contiguous()
-    x = lambda: dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta,  # noqa: E731
-                     scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=False)
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
-        tri, tri_ht = chunk_kda(**x(), initial_state=h0_vk, transpose_state_layout=True)
-    ((tri * do).sum() + (tri_ht * dht_vk).sum()).backward()
-    tri_g = grads(q, k, v, g, beta, h0_vk)
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
-        ref, ref_ht = chunk_kda(**x(), initial_state=h0_kv, transpose_state_layout=False)
-    ((ref * do).sum() + (ref_ht * dht_kv).sum()).backward()
-    ref_g = grads(q, k, v, g, beta, h0_kv)
-    fla_assert_close("o", ref, tri, 1e-4)
-    fla_assert_close("ht", ref_ht, tri_ht.transpose(-1, -2), 1e-4)
-    for name, r, t in zip(("dq", "dk", "dv", "dg", "db"), ref_g[:5], tri_g[:5]):
-        fla_assert_close(name, r, t, 1e-4)
-    fla_assert_close("dh0", ref_g[5], tri_g[5].transpose(-1, -2), 1e-4)
-    # and the K-first one against the float64 recurrence
-    rq, rk, rv, rg, rb, rh0 = r64 = f64(q, k, v, g, beta, h0_kv)
-    o64, ht64 = recurrent_reference(F.normalize(rq, p=2, dim=-1), F.normalize(rk, p=2, dim=-1), rv, rg, rb, rh0,
-                                    scale=scale)
-    ((o64 * do.to(F64)).sum() + (ht64 * dht_kv.to(F64)).sum()).backward()
-    check_forward_and_grads((o64, ht64, grads(*r64)), (ref, ref_ht, ref_g), (0.008, 0.008, 0.008, 0.02, 0.02, 0.008))
-
-
-@pytest.mark.parametrize("B,T,H,D,scale,norm", [(1, 64, 1, 64, 1, 1), (2, 512, 3, 60, 1, 1),
-                                                (3, 1000, 4, 100, 0.1, 1), (4, 1024, 4, 128, 0.1, 1)])
-def test_fused_recurrent_transpose_state(B, T, H, D, scale, norm):
-    T = cap_t(T)
-    torch.manual_seed(42)
-    q = torch.rand(B, T, H, D)
-    k = torch.rand(B, T, H, D)
-    v = torch.rand(B, T, H, D)
-    g = F.logsigmoid(torch.randn(B, T, H, D)) / norm
-    beta = torch.randn(B, T, H).sigmoid()
-    h0_kv = torch.randn(B, H, D, D)
-    h0_vk = h0_kv.transpose(-1, -2).contiguous()
-    x = dict(q=F.normalize(q, p=2, dim=-1), k=F.normalize(k, p=2, dim=-1), v=v, g=g, beta=beta, scale=scale,
-             output_final_state=True, use_qk_l2norm_in_kernel=False)
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
-        ref, ref_ht = fused_recurrent_kda(**x, initial_state=h0_kv, transpose_state_layout=False)
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
-        tri, tri_ht = fused_recurrent_kda(**x, initial_state=h0_vk, transpose_state_layout=True)
-    fla_assert_close("o", ref, tri, 1e-4)
-    fla_assert_close("ht", ref_ht, tri_ht.transpose(-1, -2), 1e-4)
-    o64, ht64 = recurrent_reference(*(t.to(F64) for t in (x["q"], x["k"], v, g, beta, h0_kv)), scale=scale)
-    fla_assert_close("o vs fp64", o64, ref, 0.005)
-    fla_assert_close("ht vs fp64", ht64, ref_ht, 0.005)
 
 
 # ------------------------------------------------------------------------------------------
