@@ -647,7 +647,9 @@ def test_fused_recurrent_gate_in_kernel(B, T, H, HV, D, scale, has_a_log, has_dt
 # ------------------------------------------------------------------------------------------
 # test_fused_recurrent_vllm_decode (GPU-only in FLA; the CPU decode here): continuous batching,
 # one token per sequence in vLLM's packed layout, a state pool whose untouched slots hold 1e30
-# and must stay bitwise unchanged.
+# and must stay bitwise unchanged. An earlier test_kda.py's version of it passed use_exp2=False (a
+# keyword of FLA's kernel then, which vLLM's call sites carried): accepted, and it changes nothing.
+@pytest.mark.parametrize("extra", [{}, {"use_exp2": False}], ids=["", "use_exp2"])
 @pytest.mark.parametrize("B,H,D,scale,norm,l2_in_kernel,gate_in_kernel,safe_gate,dtype", [
     (16, 16, 128, 0.1, 1.0, True, False, False, torch.bfloat16),
     (32, 8, 64, 1.0, 1.0, False, False, False, torch.float16),
@@ -656,7 +658,7 @@ def test_fused_recurrent_gate_in_kernel(B, T, H, HV, D, scale, has_a_log, has_dt
     (32, 8, 64, 1.0, 1.0, False, True, False, torch.float16),
     (7, 32, 128, 0.5, 0.5, True, True, True, torch.bfloat16),
 ])
-def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in_kernel, safe_gate, dtype):
+def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in_kernel, safe_gate, dtype, extra):
     torch.manual_seed(42)
     slots = B * 3
     pool = torch.randn(slots, H, D, D, dtype=torch.float32)
@@ -697,7 +699,7 @@ def test_fused_recurrent_vllm_decode(B, H, D, scale, norm, l2_in_kernel, gate_in
         v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=tri_pool, scale=scale,
         output_final_state=False, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
         num_accepted_tokens=None, use_qk_l2norm_in_kernel=l2_in_kernel, use_gate_in_kernel=gate_in_kernel,
-        lower_bound=lower_bound)
+        lower_bound=lower_bound, **extra)
     fla_assert_close("o", ref_o, tri_o, 0.005)
     fla_assert_close("ht", ref_pool[idx.long()], tri_pool[idx.long()], 0.005)
     assert torch.equal(tri_pool[untouched], pool[untouched]), "an untouched pool slot was written"
@@ -954,13 +956,17 @@ def test_chunk_kda_graph_zero_length_tail_matches_fp64(gate, safe_gate, hv, cu):
     cu = torch.LongTensor(_scaled_cu_seqlens(cu))
     x, do, dht = graph_inputs(0, gate, safe_gate, hv, int(cu[-1]))
     tri, tri_ht, tri_g = graph_step(x, cu, gate, safe_gate, do, dht)
+    check_graph_step_vs_fp64(x, cu, gate, safe_gate, do, dht, (tri, tri_ht, tri_g))
 
+
+def check_graph_step_vs_fp64(x, cu, gate, safe_gate, do, dht, step):
+    """graph_step's (o, ht, grads) against the float64 recurrence at test_chunk's bf16 bounds."""
+    tri, tri_ht, tri_g = step
     rq, rk, rv, rg, rb, rh0, rA, rbias = r = f64(*x)
     gate_f64 = fla_naive_gate(rg, rA, rbias, -5.0 if safe_gate else None) if gate else rg
     ref, ref_ht = recurrent_reference(rq, rk, rv, gate_f64, rb, rh0, cu)
     ((ref * do.to(F64)).sum() + (ref_ht * dht.to(F64)).sum()).backward()
     ref_g = grads(*r)
-
     check_forward_and_grads((ref, ref_ht, ref_g), (tri, tri_ht, tri_g), (0.008, 0.008, 0.008, 0.02, 0.02, 0.008))
     if gate:
         fla_assert_close("dA", ref_g[6], tri_g[6], 0.02)  # test_chunk's bf16 bound (see there)

@@ -26,11 +26,11 @@ port. Sources (stored versions read through the code index):
   ``graph_mode="eager"`` with ``use_graph=True`` is a ValueError ("conflicts").
 - tests/ops/test_kda_compression.py @f7a5ebfe94eb6e3cc4264b93d3f6299a95319222: test_delta_checkpoint
   (its other tests are in test_fla_cases.py; test_lowrank_* test torch.linalg.svd only).
-- tests/ops/test_kda.py: an earlier stored version's test_fused_recurrent_vllm_decode call with
-  ``use_exp2=False`` (its test_chunk_transpose_state and test_fused_recurrent_transpose_state,
-  ``transpose_state_layout=True`` and ``=False`` passed explicitly, are test_fla_cases.py's
-  test_chunk_state_v_first / test_fused_recurrent_state_v_first with layout_keyword
-  "transpose_state_layout"); the newest stored version's ``_flash_kda_gold``, which is
+- tests/ops/test_kda.py: an earlier stored version's test_chunk_transpose_state,
+  test_fused_recurrent_transpose_state (``transpose_state_layout=True`` and ``=False`` passed
+  explicitly) and test_fused_recurrent_vllm_decode call with ``use_exp2=False`` are parameters of
+  test_fla_cases.py's test_chunk_state_v_first, test_fused_recurrent_state_v_first and
+  test_fused_recurrent_vllm_decode; the newest stored version's ``_flash_kda_gold``, which is
   ``fused_recurrent_kda`` itself called in float64 with the gate in kernel, V-first states and
   cu_seqlens. (@d1097c609b23b5f478f490da0fbd00060b0e9dc3 is an older, shorter version whose five
   tests are all in test_fla_cases.py.)
@@ -54,11 +54,11 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from libkda.torch import (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd,  # noqa: E402
+from libkda.torch import (chunk_kda, fused_recurrent_kda,  # noqa: E402
                           naive_recurrent_kda)
-from test_fla_cases import (F64, GRAPH_CONFIGS, HAS_FP8, LARGE, cap_h, cap_t, check_forward_and_grads,  # noqa: E402
-                            compression_inputs, f64, fla_assert_close, fla_naive_gate,
-                            graph_inputs, graph_step, grads, leaves, recurrent_reference)
+from test_fla_cases import (F64, GRAPH_CONFIGS, HAS_FP8, LARGE, cap_h, cap_t, check_graph_step_vs_fp64,  # noqa: E402
+                            compression_inputs, f64, fla_assert_close, fla_naive_gate, graph_inputs, graph_step,
+                            grads, leaves, recurrent_reference)
 
 
 # ------------------------------------------------------------------------------------------
@@ -344,15 +344,7 @@ def test_chunk_kda_graph_full_layouts_match_eager_and_fp64(gate, safe_gate, hv, 
         if r is not None:
             fla_assert_close(f"graph::{name}", r, t, 2e-3)
 
-    rq, rk, rv, rg, rb, rh0, rA, rbias = r = f64(*x)
-    gate_f64 = fla_naive_gate(rg, rA, rbias, -5.0 if safe_gate else None) if gate else rg
-    ref, ref_ht = recurrent_reference(rq, rk, rv, gate_f64, rb, rh0, cu)
-    ((ref * do.to(F64)).sum() + (ref_ht * dht.to(F64)).sum()).backward()
-    ref_g = grads(*r)
-    check_forward_and_grads((ref, ref_ht, ref_g), (tri, tri_ht, tri_g), (0.008, 0.008, 0.008, 0.02, 0.02, 0.008))
-    if gate:
-        fla_assert_close("dA", ref_g[6], tri_g[6], 0.02)  # test_chunk's bf16 bound (test_fla_cases.py)
-        fla_assert_close("dbias", ref_g[7], tri_g[7], 0.008)
+    check_graph_step_vs_fp64(x, cu, gate, safe_gate, do, dht, (tri, tri_ht, tri_g))
 
 
 # ------------------------------------------------------------------------------------------
@@ -457,51 +449,6 @@ def test_delta_checkpoint():
             err = (state - recomposed).abs().max().item()
             bound = d.abs().max().item() * (2.0 ** -4 if HAS_FP8 else 2.0 ** -11) + 1e-6
             assert err <= bound, f"delta at {t}: err={err:.6f} > {bound:.6f}"
-
-
-# ------------------------------------------------------------------------------------------
-# test_kda.py's earlier test_fused_recurrent_vllm_decode passes use_exp2=False to
-# fused_recurrent_kda_fwd (a keyword of FLA's kernel then; vLLM's call sites carried it). It
-# must be accepted and change nothing: outputs and pool bitwise those of the call without it
-# (which test_fla_cases.py checks against the float64 recurrence on the same cases).
-@pytest.mark.parametrize("B,H,D,scale,norm,l2_in_kernel,gate_in_kernel,safe_gate,dtype", [
-    (16, 16, 128, 0.1, 1.0, True, False, False, torch.bfloat16),
-    (32, 8, 64, 1.0, 1.0, False, False, False, torch.float16),
-    (7, 32, 128, 0.5, 0.5, True, False, False, torch.bfloat16),
-    (16, 16, 128, 0.1, 1.0, True, True, False, torch.bfloat16),
-    (32, 8, 64, 1.0, 1.0, False, True, False, torch.float16),
-    (7, 32, 128, 0.5, 0.5, True, True, True, torch.bfloat16),
-])
-def test_fused_recurrent_vllm_decode_use_exp2_keyword(B, H, D, scale, norm, l2_in_kernel, gate_in_kernel,
-                                                     safe_gate, dtype):
-    torch.manual_seed(42)
-    slots = B * 3
-    pool = torch.randn(slots, H, D, D, dtype=torch.float32)
-    idx = torch.randperm(slots)[:B].int()
-    q, k, v = (torch.rand(1, B, H, D, dtype=dtype) for _ in range(3))
-    g = torch.randn(1, B, H, D, dtype=torch.float if not gate_in_kernel else dtype)
-    A_log = dt_bias = lower_bound = None
-    if gate_in_kernel:
-        A_log = torch.log(torch.randn(1, 1, H, 1, dtype=torch.float32).uniform_(1, 16)).squeeze()
-        dt_bias = torch.randn(H * D, dtype=torch.float32)
-        lower_bound = -5.0 if safe_gate else None
-    else:
-        g = F.logsigmoid(g) / norm
-    beta = torch.randn(1, B, H, dtype=dtype).sigmoid()
-    if not l2_in_kernel:
-        q, k = F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1)
-    cu = torch.arange(0, B + 1, dtype=torch.int32)
-    results = []
-    for extra in (dict(use_exp2=False), {}):
-        p = pool.clone()
-        o, _ = fused_recurrent_kda_fwd(
-            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=p, scale=scale,
-            output_final_state=False, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
-            num_accepted_tokens=None, use_qk_l2norm_in_kernel=l2_in_kernel, use_gate_in_kernel=gate_in_kernel,
-            lower_bound=lower_bound, **extra)
-        results.append((o, p))
-    assert torch.equal(results[0][0], results[1][0]), "o"
-    assert torch.equal(results[0][1], results[1][1]), "pool"
 
 
 # ------------------------------------------------------------------------------------------
