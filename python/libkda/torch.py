@@ -799,8 +799,13 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
 
 
 def _equal_segments(q, cu_seqlens):
-    """(N, T) of decode's packed layout, [1, N * T, ...] with cu_seqlens = [0, T, 2T, ...]: then
-    [N, T, ...] is a view, no copy. Ragged segments are refused (chunk_kda takes those)."""
+    """(N, T, keep, used) of decode's packed layout, [1, tokens, ...] with cu_seqlens whose segments
+    all hold T tokens or none: the rows with tokens are then [rows, T, ...], a view of the first
+    `used` = cu_seqlens[-1] tokens, no copy. vLLM pads a decode batch for its CUDA graphs with
+    sequences of no tokens (cu_seqlens [0, 1, 2, 3, 3, 3] over a buffer of 5 tokens, slot -1): as in
+    FLA's kernel they decode nothing, and the tokens after cu_seqlens[-1] belong to no sequence
+    (o = 0 here). keep indexes the rows with T tokens (None: every row). Other ragged layouts are
+    refused (chunk_kda takes those)."""
     if q.shape[0] != 1:
         raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
@@ -808,16 +813,48 @@ def _equal_segments(q, cu_seqlens):
                          f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
     n = cu_seqlens.shape[0] - 1
     total = q.shape[1]
-    t = total // n if n > 0 else 0
-    if n <= 0 or t * n != total or not torch.equal(
-            cu_seqlens, torch.arange(0, total + 1, max(t, 1), dtype=cu_seqlens.dtype, device=cu_seqlens.device)):
+    lengths = cu_seqlens.diff().to(torch.int64) if n > 0 else cu_seqlens.new_zeros(0, dtype=torch.int64)
+    filled = lengths[lengths != 0]
+    t = int(filled[0]) if filled.numel() else 0
+    if n <= 0 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) > total or bool((filled != t).any()) or t < 0:
         shown = cu_seqlens.tolist()
         raise NotImplementedError(
-            "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens "
-            f"(cu_seqlens = [0, T, 2T, ..., {total}] for {total} tokens), got "
+            "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens or none "
+            f"(cu_seqlens = [0, T, 2T, ...] up to at most {total} tokens, zero-length sequences anywhere), got "
             f"{shown if len(shown) <= 8 else shown[:8] + ['...']}; use chunk_kda with initial states for "
             "ragged prefill")
-    return n, t
+    used = int(cu_seqlens[-1])
+    if filled.numel() in (0, n):
+        return n, t, None, used
+    return n, t, torch.nonzero(lengths).flatten(), used
+
+
+def _pad_tokens(x, total):
+    """[1, used, ...] -> [1, total, ...] with zeros for the tokens after cu_seqlens[-1]."""
+    if x.shape[1] == total:
+        return x
+    return torch.cat([x, x.new_zeros((1, total - x.shape[1]) + tuple(x.shape[2:]))], 1)
+
+
+def _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens):
+    """The slot indices (and accepted counts) of the rows `keep` selects, after checking the whole
+    index tensor's dtype, shape ([N] or [N, T]) and range, so that a bad index of a row with no
+    tokens is still an error."""
+    if keep is None:
+        return indices, num_accepted_tokens
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() not in (1, 2) or indices.shape[0] != n:
+        raise ValueError(f"kda: argument 'ssm_state_indices': expected an int32 or int64 tensor of shape [N] or "
+                         f"[N, T] with N = {n} (the sequences of cu_seqlens), got {indices.dtype} of shape "
+                         f"{list(indices.shape)}")
+    if indices.numel() and int(indices.max()) >= slots:
+        raise ValueError(f"kda: argument 'ssm_state_indices': expected indices < slots = {slots} (negative = "
+                         f"padding), got {int(indices.max())}")
+    if num_accepted_tokens is not None and (num_accepted_tokens.dim() != 1 or num_accepted_tokens.shape[0] != n):
+        raise ValueError(f"kda: argument 'num_accepted_tokens': expected shape [N] = [{n}], got "
+                         f"{list(num_accepted_tokens.shape)}")
+    keep = keep.to(indices.device)
+    return indices[keep], (None if num_accepted_tokens is None else num_accepted_tokens[keep.to(
+        num_accepted_tokens.device)])
 
 
 def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
@@ -831,14 +868,18 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     token's state once, as the in-place speculative decode does."""
     packed = cu_seqlens is not None
     if packed:
-        n, t = _equal_segments(q, cu_seqlens)
-        q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
+        total = q.shape[1]
+        n, t, keep, used = _equal_segments(q, cu_seqlens)
+        indices, num_accepted_tokens = _rows_with_tokens(keep, n, pool.shape[0], indices, num_accepted_tokens)
+        rows = n if keep is None else keep.numel()
+        q, k, v, g, beta = (x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
     n, t = q.shape[0], q.shape[1]
     _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
     if t == 0:  # no tokens: nothing to read or return, as the in-place decode of T = 0 is a no-op
         o = torch.empty((n, 0) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
-        final = torch.empty((0,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
-        return (o.flatten(0, 1).unsqueeze(0) if packed else o), final
+        final = torch.zeros((total if packed else 0,) + tuple(pool.shape[1:]), dtype=torch.float32,
+                            device=pool.device)  # the tokens after cu_seqlens[-1], if any: zero states
+        return (_pad_tokens(o.flatten(0, 1).unsqueeze(0), total) if packed else o), final
     if indices.dim() == 2 and num_accepted_tokens is not None:
         accepted = num_accepted_tokens.to(torch.int64)
         read = indices.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0].to(torch.int64)
@@ -857,7 +898,10 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
             final[row, a - 1].copy_(pool[r])
     final = final.flatten(0, 1)
     o = kda_decode(q, k, v, g, beta, final, slots, num_accepted_tokens=accepted, **gate)
-    return (o.flatten(0, 1).unsqueeze(0) if packed else o), final
+    if packed:  # the tokens after cu_seqlens[-1]: o = 0 and a zero state
+        o = _pad_tokens(o.flatten(0, 1).unsqueeze(0), total)
+        final = _pad_tokens(final.unsqueeze(0), total)[0]
+    return o, final
 
 
 def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tokens=None, *, A_log=None,
@@ -872,8 +916,12 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
                    A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     packed = cu_seqlens is not None
     if packed:
-        n, t = _equal_segments(q, cu_seqlens)
-        q, k, v, g, beta = (x[0].unflatten(0, (n, t)) for x in (q, k, v, g, beta))
+        total = q.shape[1]
+        n, t, keep, used = _equal_segments(q, cu_seqlens)
+        ssm_state_indices, num_accepted_tokens = _rows_with_tokens(keep, n, state_pool.shape[0], ssm_state_indices,
+                                                                   num_accepted_tokens)
+        rows = n if keep is None else keep.numel()
+        q, k, v, g, beta = (x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     if not use_gate_in_kernel:
@@ -885,7 +933,7 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
                                        num_accepted_tokens) else _decode_op)
     o = decode(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accepted_tokens,
                None if scale is None else float(scale), lower_bound, flags)
-    return o.flatten(0, 1).unsqueeze(0) if packed else o
+    return _pad_tokens(o.flatten(0, 1).unsqueeze(0), total) if packed else o
 
 
 # ---------------------------------------------------------------------------------------------

@@ -584,3 +584,32 @@ def test_peer_keywords_that_change_the_computation_raise(function, keyword, valu
     with pytest.raises(TypeError, match=f"libkda.torch.{function}: keyword '{keyword}' is not supported"):
         getattr(kt, function)(**x, initial_state=pool, **kwargs)
     assert torch.equal(pool, before)
+
+
+def test_decode_with_zero_length_sequences_and_a_short_cu_seqlens():
+    """vLLM's CUDA-graph padding of a decode batch: sequences of no tokens anywhere in cu_seqlens
+    (with a valid slot: that slot is untouched; with -1) and tokens after cu_seqlens[-1]: o and the
+    pool are bitwise the equal-length call on the real rows, the trailing tokens' o is 0, in place
+    and out of place (zero states for the trailing tokens)."""
+    x, _, _ = make(5, B=1, T=6, H=2, K=16, V=16)
+    pool = torch.randn(8, 2, 16, 16)
+    real = dict(q=x["q"][:, :4], k=x["k"][:, :4], v=x["v"][:, :4], g=x["g"][:, :4], beta=x["beta"][:, :4])
+    expect_pool = pool.clone()
+    expect_o, _ = kt.fused_recurrent_kda_fwd(**real, initial_state=expect_pool, cu_seqlens=torch.arange(5),
+                                             ssm_state_indices=torch.tensor([3, 5, 1, 6]))
+    cu = torch.tensor([0, 1, 1, 2, 3, 4, 4])  # rows 1 and 5 empty; tokens 4 and 5 belong to no row
+    slots = torch.tensor([3, 7, 5, 1, 6, -1])
+    got_pool = pool.clone()
+    o, _ = kt.fused_recurrent_kda_fwd(**x, initial_state=got_pool, cu_seqlens=cu, ssm_state_indices=slots)
+    assert o.shape == (1, 6, 2, 16)
+    assert torch.equal(o[:, :4], expect_o) and torch.equal(o[:, 4:], torch.zeros_like(o[:, 4:]))
+    assert torch.equal(got_pool, expect_pool) and torch.equal(got_pool[7], pool[7])
+    untouched = pool.clone()
+    o2, states = kt.fused_recurrent_kda_fwd(**x, initial_state=untouched, cu_seqlens=cu, ssm_state_indices=slots,
+                                            inplace_final_state=False, output_final_state=True)
+    assert torch.equal(o2, o) and torch.equal(untouched, pool)
+    assert torch.equal(states[:4], expect_pool[torch.tensor([3, 5, 1, 6])])
+    assert torch.equal(states[4:], torch.zeros_like(states[4:]))
+    with pytest.raises(ValueError, match=r"'ssm_state_indices'.*< slots = 8.*got 8"):  # an empty row's slot too
+        kt.fused_recurrent_kda_fwd(**x, initial_state=pool.clone(), cu_seqlens=cu,
+                                   ssm_state_indices=torch.tensor([3, 8, 5, 1, 6, -1]))
