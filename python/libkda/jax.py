@@ -73,8 +73,9 @@ def _operands(q, k, v, g, beta, a_log, dt_bias, initial_state, segment_ids):
 
 def _attrs(cfg: _Config, present: int, oracle: bool):
     return dict(
-        scale=np.float32(np.nan if cfg.scale is None else cfg.scale),
-        lower_bound=np.float32(np.nan if cfg.lower_bound is None else cfg.lower_bound),
+        # float64 attributes: the fp64 oracle (float64 inputs) uses them unrounded, the kernels round
+        scale=np.float64(np.nan if cfg.scale is None else cfg.scale),
+        lower_bound=np.float64(np.nan if cfg.lower_bound is None else cfg.lower_bound),
         flags=np.int64(cfg.flags),
         chunk_size=np.int64(cfg.chunk_size),
         max_num_segments=np.int64(cfg.num_states if cfg.segmented else 0),

@@ -179,13 +179,13 @@ kda::TensorView plain(const Dense& d, const Lead& L, std::int64_t li, int core) 
   }
 }
 
-kda::Options options_of(float scale, float lower_bound, std::int64_t flags, std::int64_t chunk_size) {
+kda::Options options_of(double scale, double lower_bound, std::int64_t flags, std::int64_t chunk_size) {
   kda::Options opt;
   opt.scale = scale;
   opt.use_qk_l2norm_in_kernel = (flags & kL2Norm) != 0;
   opt.use_gate_in_kernel = (flags & kGateInKernel) != 0;
   opt.has_lower_bound = !std::isnan(lower_bound);
-  opt.lower_bound = opt.has_lower_bound ? lower_bound : 0.0f;
+  opt.lower_bound = opt.has_lower_bound ? lower_bound : 0.0;
   opt.use_beta_sigmoid_in_kernel = (flags & kBetaSigmoid) != 0;
   opt.allow_neg_eigval = (flags & kAllowNegEigval) != 0;
   opt.chunk_size = static_cast<int>(chunk_size);
@@ -341,7 +341,7 @@ kda::Status trim_chunk_states(kda::ForwardParams* p) {
   return {};
 }
 
-ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, float scale, float lower_bound,
+ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, double scale, double lower_bound,
                           std::int64_t flags, std::int64_t chunk_size, std::int64_t max_num_segments,
                           std::int64_t present, std::int64_t oracle) {
   Shims shims;
@@ -378,7 +378,7 @@ ffi::Error KdaForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, floa
   return ffi::Error::Success();
 }
 
-ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, float scale, float lower_bound,
+ffi::Error KdaBackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, double scale, double lower_bound,
                            std::int64_t flags, std::int64_t chunk_size, std::int64_t max_num_segments,
                            std::int64_t present, std::int64_t oracle) {
   Shims shims;
@@ -445,8 +445,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdaJaxForward, KdaForwardImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("lower_bound")
+                                  .Attr<double>("scale")
+                                  .Attr<double>("lower_bound")
                                   .Attr<std::int64_t>("flags")
                                   .Attr<std::int64_t>("chunk_size")
                                   .Attr<std::int64_t>("max_num_segments")
@@ -457,8 +457,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdaJaxBackward, KdaBackwardImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("lower_bound")
+                                  .Attr<double>("scale")
+                                  .Attr<double>("lower_bound")
                                   .Attr<std::int64_t>("flags")
                                   .Attr<std::int64_t>("chunk_size")
                                   .Attr<std::int64_t>("max_num_segments")
