@@ -403,8 +403,8 @@ _PEER_ONLY_KEYWORDS = {
 
 
 def _reject_peer_only_keywords(kwargs, function):
-    for name in kwargs:
-        if name in _PEER_ONLY_KEYWORDS:
+    for name, value in kwargs.items():
+        if name in _PEER_ONLY_KEYWORDS and value is not None:  # None (a chain decode) asks for nothing
             raise TypeError(f"libkda.torch.{function}: keyword '{name}' is not supported: "
                             f"{_PEER_ONLY_KEYWORDS[name]}")
 
@@ -708,7 +708,8 @@ def fused_recurrent_kda_fwd(
     it reads slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and writes the state after
     token t to ``ssm_state_indices[n, t]`` (negative: skipped; a negative read slot makes row n
     padding: o = 0, pool untouched). Tokens: q ``[N, T, H, K]``, or ``[1, N * T, H, K]`` with
-    ``cu_seqlens = [0, T, 2T, ...]`` (equal lengths).
+    ``cu_seqlens = [0, T, 2T, ...]`` (equal lengths; sequences of no tokens anywhere decode nothing,
+    and tokens after ``cu_seqlens[-1]`` get o = 0, as vLLM pads a batch for its CUDA graphs).
 
     Without ``ssm_state_indices`` this is ``fused_recurrent_kda``; with ``inplace_final_state=True``
     and an ``initial_state`` ``[N, HV, K, V]``, as in FLA, sequence n's final state is written back
@@ -798,7 +799,7 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
                          f"[{lo}, {hi}]")
 
 
-def _equal_segments(q, cu_seqlens):
+def _equal_segments(q, cu_seqlens, **others):
     """(N, T, keep, used) of decode's packed layout, [1, tokens, ...] with cu_seqlens whose segments
     all hold T tokens or none: the rows with tokens are then [rows, T, ...], a view of the first
     `used` = cu_seqlens[-1] tokens, no copy. vLLM pads a decode batch for its CUDA graphs with
@@ -811,8 +812,12 @@ def _equal_segments(q, cu_seqlens):
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
         raise ValueError(f"kda: argument 'cu_seqlens': expected a 1-D int32 or int64 tensor, got "
                          f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
-    n = cu_seqlens.shape[0] - 1
     total = q.shape[1]
+    for name, x in others.items():  # each is sliced to cu_seqlens[-1] tokens alone: same token count as q
+        if x.dim() < 2 or tuple(x.shape[:2]) != (1, total):
+            raise ValueError(f"kda: argument '{name}': expected [1, {total}, ...] (q's tokens, packed with "
+                             f"cu_seqlens), got {list(x.shape)}")
+    n = cu_seqlens.shape[0] - 1
     lengths = cu_seqlens.diff().to(torch.int64) if n > 0 else cu_seqlens.new_zeros(0, dtype=torch.int64)
     filled = lengths[lengths != 0]
     t = int(filled[0]) if filled.numel() else 0
@@ -824,9 +829,9 @@ def _equal_segments(q, cu_seqlens):
             f"{shown if len(shown) <= 8 else shown[:8] + ['...']}; use chunk_kda with initial states for "
             "ragged prefill")
     used = int(cu_seqlens[-1])
-    if filled.numel() in (0, n):
+    if filled.numel() == n:
         return n, t, None, used
-    return n, t, torch.nonzero(lengths).flatten(), used
+    return n, t, torch.nonzero(lengths).flatten(), used  # (empty when no sequence has tokens)
 
 
 def _pad_tokens(x, total):
@@ -869,9 +874,12 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     packed = cu_seqlens is not None
     if packed:
         total = q.shape[1]
-        n, t, keep, used = _equal_segments(q, cu_seqlens)
+        n, t, keep, used = _equal_segments(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
         indices, num_accepted_tokens = _rows_with_tokens(keep, n, pool.shape[0], indices, num_accepted_tokens)
         rows = n if keep is None else keep.numel()
+        if rows == 0:  # no sequence has tokens: nothing to read; every token's o and state is 0
+            o = torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
+            return o, torch.zeros((total,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
         q, k, v, g, beta = (x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
     n, t = q.shape[0], q.shape[1]
     _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
@@ -917,10 +925,12 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     packed = cu_seqlens is not None
     if packed:
         total = q.shape[1]
-        n, t, keep, used = _equal_segments(q, cu_seqlens)
+        n, t, keep, used = _equal_segments(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
         ssm_state_indices, num_accepted_tokens = _rows_with_tokens(keep, n, state_pool.shape[0], ssm_state_indices,
                                                                    num_accepted_tokens)
         rows = n if keep is None else keep.numel()
+        if rows == 0:  # no sequence has tokens: the pool untouched, o = 0
+            return torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
         q, k, v, g, beta = (x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")

@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -348,8 +349,9 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
   p.threads = resolve_threads(opt.num_threads);
   if (std::isnan(opt.scale)) {
     p.scale64 = 1.0 / std::sqrt(static_cast<double>(p.K));
-  } else if (!std::isfinite(opt.scale)) {
-    return fail("option 'scale': expected a finite value, got ", opt.scale);
+  } else if (!std::isfinite(opt.scale) || std::fabs(opt.scale) > std::numeric_limits<float>::max()) {
+    // the kernels compute with the scale as a float: it must be finite there too
+    return fail("option 'scale': expected a finite value (within float range), got ", opt.scale);
   } else {
     p.scale64 = opt.scale;
   }
@@ -357,8 +359,11 @@ Status plan_forward(const ForwardParams& prm, bool oracle, Problem* problem, boo
   p.l2norm = opt.use_qk_l2norm_in_kernel;
   if (opt.use_gate_in_kernel) {
     if (opt.has_lower_bound) {
-      if (!(opt.lower_bound < 0.0) || !std::isfinite(opt.lower_bound)) {
-        return fail("option 'lower_bound': expected a finite value < 0, got ", opt.lower_bound);
+      // checked as the kernels' float too: finite there and still < 0 (-1e-50 would round to -0)
+      if (!(opt.lower_bound < 0.0) || !std::isfinite(opt.lower_bound) ||
+          std::fabs(opt.lower_bound) > std::numeric_limits<float>::max() ||
+          !(static_cast<float>(opt.lower_bound) < 0.0f)) {
+        return fail("option 'lower_bound': expected a finite value < 0 (within float range), got ", opt.lower_bound);
       }
       p.gate = GateMode::kLowerBoundSigmoid;
       p.lower_bound = static_cast<float>(opt.lower_bound);

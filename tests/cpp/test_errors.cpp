@@ -66,6 +66,22 @@ std::vector<ErrorCase> error_cases() {
        true},
       {"threads", [](ForwardParams& p, Inputs&) { p.options.num_threads = -2; }, {"num_threads", "-2"}},
       {"scale_inf", [](ForwardParams& p, Inputs&) { p.options.scale = INFINITY; }, {"scale", "finite"}},
+      // finite as a double, infinite as the kernels' float
+      {"scale_beyond_float", [](ForwardParams& p, Inputs&) { p.options.scale = 1e39; }, {"scale", "float range"}},
+      {"lower_bound_beyond_float",
+       [](ForwardParams& p, Inputs&) {
+         p.options.use_gate_in_kernel = true;
+         p.options.has_lower_bound = true;
+         p.options.lower_bound = -1e39;
+       },
+       {"lower_bound", "float range"}},
+      {"lower_bound_zero_as_float",  // < 0 as a double, -0 as a float
+       [](ForwardParams& p, Inputs&) {
+         p.options.use_gate_in_kernel = true;
+         p.options.has_lower_bound = true;
+         p.options.lower_bound = -1e-50;
+       },
+       {"lower_bound", "< 0"}},
       {"lower_bound_positive",
        [](ForwardParams& p, Inputs&) {
          p.options.use_gate_in_kernel = true;

@@ -613,3 +613,30 @@ def test_decode_with_zero_length_sequences_and_a_short_cu_seqlens():
     with pytest.raises(ValueError, match=r"'ssm_state_indices'.*< slots = 8.*got 8"):  # an empty row's slot too
         kt.fused_recurrent_kda_fwd(**x, initial_state=pool.clone(), cu_seqlens=cu,
                                    ssm_state_indices=torch.tensor([3, 8, 5, 1, 6, -1]))
+
+
+def test_decode_all_sequences_empty_and_mismatched_token_counts():
+    """cu_seqlens with no tokens at all decodes nothing with [N] or [N, T] indices (o = 0, the pool
+    untouched, zero states out of place); a packed k, v, g or beta with another token count than q
+    is an error naming it, before the pool is written; peer-only keywords passed as None are
+    accepted (a chain decode asks for nothing)."""
+    x, _, _ = make(6, B=1, T=4, H=2, K=16, V=16)
+    pool = torch.randn(6, 2, 16, 16)
+    before = pool.clone()
+    for idx, acc in ((torch.tensor([1, 2]), None), (torch.tensor([[1, 2], [3, 4]]), torch.tensor([1, 1]))):
+        for inplace in (True, False):
+            o, fs = kt.fused_recurrent_kda_fwd(**x, initial_state=pool, cu_seqlens=torch.tensor([0, 0, 0]),
+                                               ssm_state_indices=idx, num_accepted_tokens=acc,
+                                               inplace_final_state=inplace, output_final_state=True)
+            assert torch.equal(o, torch.zeros_like(o)) and o.shape == (1, 4, 2, 16)
+            assert torch.equal(pool, before)
+            if not inplace:
+                assert fs.shape == (4, 2, 16, 16) and torch.equal(fs, torch.zeros_like(fs))
+    bad = dict(x, v=torch.randn(1, 6, 2, 16))
+    with pytest.raises(ValueError, match=r"argument 'v': expected \[1, 4, \.\.\.\]"):
+        kt.fused_recurrent_kda_fwd(**bad, initial_state=pool, cu_seqlens=torch.tensor([0, 2, 4]),
+                                   ssm_state_indices=torch.tensor([1, 2]), out=torch.empty(1, 6, 2, 16))
+    assert torch.equal(pool, before)
+    o, _ = kt.fused_recurrent_kda_fwd(**x, initial_state=pool, cu_seqlens=torch.tensor([0, 2, 4]),
+                                      ssm_state_indices=torch.tensor([1, 2]), retrieve_parent_token=None)
+    assert o.shape == (1, 4, 2, 16)
