@@ -862,6 +862,17 @@ def _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens):
         num_accepted_tokens.device)])
 
 
+def _packed_decode_rows(q, k, v, g, beta, cu_seqlens, slots, indices, num_accepted_tokens):
+    """Decode's packed layout as rows: ([rows, T, ...] q, k, v, g, beta (None when no sequence has
+    tokens), the rows' slot indices and accepted counts, the buffer's token count)."""
+    total = q.shape[1]
+    n, t, keep, used = _equal_segments(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
+    indices, num_accepted_tokens = _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens)
+    rows = n if keep is None else keep.numel()
+    tokens = None if rows == 0 else tuple(x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
+    return tokens, indices, num_accepted_tokens, total
+
+
 def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
     """FLA's ``inplace_final_state=False`` with ``ssm_state_indices``: sequence n starts from the
     slot it would read (``indices[n]``, ``indices[n, 0]`` or ``indices[n, num_accepted_tokens[n] - 1]``;
@@ -873,14 +884,12 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     token's state once, as the in-place speculative decode does."""
     packed = cu_seqlens is not None
     if packed:
-        total = q.shape[1]
-        n, t, keep, used = _equal_segments(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
-        indices, num_accepted_tokens = _rows_with_tokens(keep, n, pool.shape[0], indices, num_accepted_tokens)
-        rows = n if keep is None else keep.numel()
-        if rows == 0:  # no sequence has tokens: nothing to read; every token's o and state is 0
+        tokens, indices, num_accepted_tokens, total = _packed_decode_rows(q, k, v, g, beta, cu_seqlens, pool.shape[0],
+                                                                          indices, num_accepted_tokens)
+        if tokens is None:  # no sequence has tokens: nothing to read; every token's o and state is 0
             o = torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
             return o, torch.zeros((total,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
-        q, k, v, g, beta = (x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = tokens
     n, t = q.shape[0], q.shape[1]
     _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
     if t == 0:  # no tokens: nothing to read or return, as the in-place decode of T = 0 is a no-op
@@ -924,14 +933,11 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
                    A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     packed = cu_seqlens is not None
     if packed:
-        total = q.shape[1]
-        n, t, keep, used = _equal_segments(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
-        ssm_state_indices, num_accepted_tokens = _rows_with_tokens(keep, n, state_pool.shape[0], ssm_state_indices,
-                                                                   num_accepted_tokens)
-        rows = n if keep is None else keep.numel()
-        if rows == 0:  # no sequence has tokens: the pool untouched, o = 0
+        tokens, ssm_state_indices, num_accepted_tokens, total = _packed_decode_rows(
+            q, k, v, g, beta, cu_seqlens, state_pool.shape[0], ssm_state_indices, num_accepted_tokens)
+        if tokens is None:  # no sequence has tokens: the pool untouched, o = 0
             return torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
-        q, k, v, g, beta = (x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = tokens
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     if not use_gate_in_kernel:
