@@ -4,6 +4,7 @@
 //   kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]
 //             [--baseline] [--heads H] [--tokens T (decode: per sequence, default 1)] [--batch N]
 //             [--draft-slots (decode: every draft token keeps its state in its own slot)]
+//             [--pool-dtype fp32|bf16|fp16 (decode: the state pool's dtype, default fp32)]
 //             [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]
 //             [--threads N] [--iters N] [--warmup N] [--json FILE]
 //
@@ -44,6 +45,7 @@ struct Config {
   std::int64_t batch = 0;                      // decode: 0 = the batches 1, 16, 64, 256
   bool draft_slots = false;                    // decode with T > 1: [N, T] slot indices (vLLM's speculative decoding)
   std::string dtype = "bf16";
+  std::string pool_dtype = "fp32";  // decode: the state pool's dtype
   int chunk = 64;
   bool bf16_dot = true;  // --fp32-products turns Options::bf16_dot_products off
   int threads = 0;
@@ -58,6 +60,7 @@ struct Config {
       "usage: kda-bench [--suite forward|forward-packed|backward|backward-packed|inference|decode|scaling|all]\n"
       "                 [--baseline] [--heads H] [--tokens T (decode: per sequence)] [--batch N (decode)]\n"
       "                 [--draft-slots (decode: every draft token's state into its own slot)]\n"
+      "                 [--pool-dtype fp32|bf16|fp16 (decode: the state pool's dtype)]\n"
       "                 [--segments N] [--K K] [--V V] [--dtype bf16|fp16|fp32] [--chunk C] [--fp32-products]\n"
       "                 [--threads N] [--iters N] [--warmup N] [--json FILE]\n",
       msg);
@@ -99,6 +102,8 @@ Config parse(int argc, char** argv) {
       c.V = num();
     else if (a == "--dtype")
       c.dtype = next();
+    else if (a == "--pool-dtype")
+      c.pool_dtype = next();
     else if (a == "--chunk")
       c.chunk = static_cast<int>(num());
     else if (a == "--fp32-products")
@@ -124,6 +129,8 @@ Config parse(int argc, char** argv) {
               .c_str());
   }
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32") usage(("unknown dtype " + c.dtype).c_str());
+  if (c.pool_dtype != "bf16" && c.pool_dtype != "fp16" && c.pool_dtype != "fp32")
+    usage(("unknown pool dtype " + c.pool_dtype).c_str());
   if (c.iters < 1) usage("--iters must be >= 1");
   if (c.tokens < 1 || c.heads < 1 || c.K < 1 || c.V < 1) usage("sizes must be >= 1");
   return c;
@@ -542,11 +549,13 @@ std::vector<Record> decode_suite(const Config& cfg) {
     Workload w;
     w.B = N, w.T = T, w.H = H, w.HV = H, w.K = cfg.K, w.V = cfg.V, w.dtype = dtype_of(cfg.dtype);
     const bool per_token = cfg.draft_slots && T > 1;
+    const bool f32_pool = cfg.pool_dtype == "fp32";
     w.shape = "N=" + std::to_string(N) + " T=" + std::to_string(T) + " H=" + std::to_string(H) +
-              " K=" + std::to_string(w.K) + " V=" + std::to_string(w.V) + (per_token ? " slot per token" : "");
+              " K=" + std::to_string(w.K) + " V=" + std::to_string(w.V) + (per_token ? " slot per token" : "") +
+              (f32_pool ? "" : " pool " + cfg.pool_dtype);
     Problem pb(cfg, w, false);
     const std::int64_t slots = per_token ? N * T : N;
-    Tensor pool(kda::DType::kF32, {slots, w.HV, w.K, w.V});
+    Tensor pool(dtype_of(cfg.pool_dtype), {slots, w.HV, w.K, w.V});
     Tensor idx = per_token ? Tensor(kda::DType::kI64, {N, T}) : Tensor(kda::DType::kI64, {N});
     Tensor accepted(kda::DType::kI64, {N});
     fill(pool, -0.1f, 0.1f, 11);
@@ -558,10 +567,11 @@ std::vector<Record> decode_suite(const Config& cfg) {
       else
         ix[n] = N % 7 ? (n * 7) % N : n;  // a permutation when N % 7 != 0
     }
-    const double state_bytes = (per_token ? 1.0 + T : 2.0) * N * w.HV * w.K * w.V * 4;
+    const std::int64_t elem = static_cast<std::int64_t>(kda::dtype_size(pool.view.dtype));
+    const double state_bytes = (per_token ? 1.0 + T : 2.0) * N * w.HV * w.K * w.V * elem;
     // The side-by-side reference: the bandwidth limit's in-place stream over as many bytes as the
     // pool holds, one pass after every decode step.
-    const std::int64_t stream_n = N * w.HV * w.K * w.V;
+    const std::int64_t stream_n = N * w.HV * w.K * w.V * elem / 4;
     const int threads = cfg.threads > 0 ? cfg.threads : omp_get_max_threads();
     const auto stream = kda_bench::stream_buffer(stream_n, threads);
     if (!stream) {
@@ -599,7 +609,8 @@ std::vector<Record> decode_suite(const Config& cfg) {
     pool.view.shape[2] = w.K, pool.view.shape[3] = w.V;  // K-first again for the oracle
     pool.view.strides[2] = w.V, pool.view.strides[3] = 1;
     Record base;
-    if (cfg.baseline && !per_token) {  // the oracle's states are the pool's rows one to one
+    // (fp32 pools only: the oracle's states are fp64 or fp32)
+    if (cfg.baseline && !per_token && f32_pool) {  // the oracle's states are the pool's rows one to one
       progress("decode", "oracle-loop", w);
       kda::ForwardParams f = pb.fwd;
       f.initial_state = pool.view;

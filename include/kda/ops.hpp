@@ -85,7 +85,9 @@ Status reference_backward(const BackwardParams& params);
 // sequence, token by token, updating the pool in place. FLA's fused_recurrent_kda_fwd / vLLM's
 // ssm_state_indices + num_accepted_tokens contract.
 //   q, k [N, T, H, K]; v [N, T, HV, V]; g [N, T, HV, K]; beta [N, T, HV]; o [N, T, HV, V]
-//   state_pool [slots, HV, K, V] fp32 (V-first: [slots, HV, V, K]), updated in place
+//   state_pool [slots, HV, K, V] (V-first: [slots, HV, V, K]), updated in place; fp32, or bf16 /
+//     fp16 (CPU backend: each state read converted, computed in fp32 through the row's tokens,
+//     each state written rounded to nearest even, as FLA's kernel stores narrow pools)
 //   slot_indices [N] or [N, T], int32/int64:
 //     [N]: sequence n reads slot s = slot_indices[n] and writes its state after the last token
 //          back to s;

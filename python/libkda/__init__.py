@@ -415,13 +415,14 @@ def _state_pool_arg(x):
     """The decode state pool as a binding argument: it is updated in place, so it must reach the
     library as the caller's own memory. Anything that would need a copy is an error."""
     name = "state_pool"
+    pool_dtypes = "float32, bfloat16 or float16"
     if not isinstance(x, np.ndarray):
         raise ValueError(
-            f"kda: argument '{name}': expected a writable numpy.ndarray of dtype float32, "
+            f"kda: argument '{name}': expected a writable numpy.ndarray of dtype {pool_dtypes}, "
             f"got {type(x).__module__}.{type(x).__qualname__}"
         )
-    if x.dtype != np.dtype(np.float32):
-        raise ValueError(f"kda: argument '{name}': expected dtype float32, got {_dtype_name(x.dtype)}")
+    if x.dtype not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+        raise ValueError(f"kda: argument '{name}': expected dtype {pool_dtypes}, got {_dtype_name(x.dtype)}")
     if not x.flags.writeable:
         raise ValueError(f"kda: argument '{name}': the array is read-only; the pool is updated in place")
     if any(s < 0 or s % x.itemsize for s in x.strides):
@@ -429,7 +430,8 @@ def _state_pool_arg(x):
             f"kda: argument '{name}': strides {x.strides} (bytes) are not non-negative multiples of the "
             f"element size; the pool is updated in place and cannot be passed through a copy"
         )
-    return (x, "f32")
+    code = _FLOAT_CODES[x.dtype]
+    return (x.view(np.uint16) if code == "bf16" else x, code)  # a view: still the caller's memory
 
 
 def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_tokens=None, scale=None,
@@ -443,7 +445,8 @@ def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_token
     q, k [N, T, H, K]; v [N, T, HV, V]; g [N, T, HV, K]; beta [N, T, HV] (any strides; input
     transforms as in chunk_kda). state_pool: a writable float32 numpy array [slots, HV, K, V]
     ([slots, HV, V, K] with state_v_first), updated IN PLACE (never copied; a read-only or
-    otherwise uncopyable-in-place array raises ValueError). slot_indices, int32/int64:
+    otherwise uncopyable-in-place array raises ValueError). A bfloat16 or float16 pool is read
+    converted and written rounded to nearest (the state stays fp32 through a row's tokens). slot_indices, int32/int64:
       [N]    -- sequence n reads slot slot_indices[n] and writes its state after the last token
                 back to it;
       [N, T] -- sequence n reads slot slot_indices[n, a - 1], a = num_accepted_tokens[n] (1 when

@@ -702,8 +702,10 @@ def fused_recurrent_kda_fwd(
     kda::decode. Returns ``(o, final_state)``.
 
     With ``ssm_state_indices`` and ``inplace_final_state=True`` (the default): ``initial_state`` is
-    a float32 state pool ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``),
-    read and updated in place; ``final_state`` is that pool. ``ssm_state_indices`` ``[N]``: sequence
+    a state pool ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with ``state_v_first``), read and
+    updated in place; ``final_state`` is that pool. float32, or bfloat16 / float16 as FLA's kernel
+    takes them: each state read converted, a row's tokens computed in fp32, each written state
+    rounded to nearest. ``ssm_state_indices`` ``[N]``: sequence
     n reads and writes slot ``ssm_state_indices[n]``; ``[N, T]`` with ``num_accepted_tokens [N]``:
     it reads slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and writes the state after
     token t to ``ssm_state_indices[n, t]`` (negative: skipped; a negative read slot makes row n
@@ -873,6 +875,21 @@ def _packed_decode_rows(q, k, v, g, beta, cu_seqlens, slots, indices, num_accept
     return tokens, indices, num_accepted_tokens, total
 
 
+def _check_pool(pool, q, v, state_v_first, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    """The state pool's rank, shape ([slots, HV, K, V], or [slots, HV, V, K] with state_v_first) and
+    dtype, checked here for the calls that return before kda::decode checks them (no sequence has
+    tokens), so that a bad pool is an error whatever the batch holds."""
+    hv, kd, vd = v.shape[-2], q.shape[-1], v.shape[-1]
+    inner = (hv, vd, kd) if state_v_first else (hv, kd, vd)
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != inner:
+        raise ValueError(f"kda: argument 'state_pool': expected shape [slots, HV, {'V, K' if state_v_first else 'K, V'}]"
+                         f" = [slots, {', '.join(map(str, inner))}], got {list(pool.shape)}")
+    if pool.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise ValueError(f"kda: argument 'state_pool': expected dtype {', '.join(names[:-1])} or {names[-1]}, got "
+                         f"{str(pool.dtype).removeprefix('torch.')}")
+
+
 def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
     """FLA's ``inplace_final_state=False`` with ``ssm_state_indices``: sequence n starts from the
     slot it would read (``indices[n]``, ``indices[n, 0]`` or ``indices[n, num_accepted_tokens[n] - 1]``;
@@ -887,6 +904,7 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
         tokens, indices, num_accepted_tokens, total = _packed_decode_rows(q, k, v, g, beta, cu_seqlens, pool.shape[0],
                                                                           indices, num_accepted_tokens)
         if tokens is None:  # no sequence has tokens: nothing to read; every token's o and state is 0
+            _check_pool(pool, q, v, gate["state_v_first"])
             o = torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
             return o, torch.zeros((total,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
         q, k, v, g, beta = tokens
@@ -931,15 +949,16 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     _check_tensors(("ssm_state_indices", "num_accepted_tokens", "cu_seqlens"), q=q, k=k, v=v, g=g, beta=beta,
                    state_pool=state_pool, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                    A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     packed = cu_seqlens is not None
     if packed:
         tokens, ssm_state_indices, num_accepted_tokens, total = _packed_decode_rows(
             q, k, v, g, beta, cu_seqlens, state_pool.shape[0], ssm_state_indices, num_accepted_tokens)
         if tokens is None:  # no sequence has tokens: the pool untouched, o = 0
+            _check_pool(state_pool, q, v, state_v_first)
             return torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
         q, k, v, g, beta = tokens
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
     A_log, dt_bias = _gate_params(q, v, A_log, dt_bias)

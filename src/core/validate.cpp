@@ -563,8 +563,10 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
     return fail("argument 'state_pool': expected shape [slots, HV, ", kfirst ? "K, V" : "V, K", "] = [slots, ", p.HV,
                 ", ", a, ", ", b, "], got ", pool.shape_str());
   }
-  if (pool.dtype != DType::kF32)
-    return fail("argument 'state_pool': expected dtype float32, got ", dtype_name(pool.dtype));
+  // Computed in fp32 whatever the pool holds; a bf16 or fp16 pool is read converted and written
+  // rounded (as FLA's and vLLM's decode kernels store their pools), at some cost in accuracy.
+  if (pool.dtype != DType::kF32 && pool.dtype != DType::kBF16 && pool.dtype != DType::kF16)
+    return fail("argument 'state_pool': expected dtype float32, bfloat16 or float16, got ", dtype_name(pool.dtype));
   KDA_RETURN_IF_ERROR(check_writable("state_pool", pool));
   const std::int64_t slots = pool.shape[0];
   const TensorView& idx = prm.slot_indices;

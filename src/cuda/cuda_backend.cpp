@@ -260,6 +260,11 @@ std::optional<std::string> why_unsupported_cuda(const BackwardParams&) {
 }
 
 std::optional<std::string> why_unsupported_cuda(const DecodeParams& params) {
+  // state_tile_out writes fp32 (the CPU backend also takes bf16 / fp16 pools).
+  if (params.state_pool.dtype != DType::kF32)
+    return "kda (CUDA): argument 'state_pool': expected dtype float32 on the CUDA backend, got " +
+           std::string(dtype_name(params.state_pool.dtype)) +
+           " (bf16 / fp16 pools are decoded by the CPU backend only)";
   return why_unsupported_sizes(params.q.shape[3], params.v.shape[3]);
 }
 

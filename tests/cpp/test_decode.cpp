@@ -30,6 +30,19 @@ TEST_P(DecodeOptions, MatchesOracle) {
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeOptions, ::testing::ValuesIn(decode_option_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// bf16 and fp16 pools (decode_narrow_pool_cases): o against the oracle as with fp32 pools (the
+// state is fp32 between tokens), every written pool element the oracle's state rounded to nearest (within
+// the fp32 computation's error),
+// unwritten slots bitwise unchanged.
+class DecodeNarrowPools : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeNarrowPools, MatchOracleRoundedToThePoolDtype) {
+  expect_decode_matches_oracle(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeNarrowPools, ::testing::ValuesIn(decode_narrow_pool_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 // Decoding T tokens one call at a time equals one prefill of T tokens, and the prefill's final
 // state decodes correctly in both layouts.
 class PrefillThenDecode : public ::testing::TestWithParam<StateLayout> {};
@@ -298,10 +311,10 @@ TEST(DecodeErrorsShape, PoolShapeAndDtype) {
   EXPECT_NE(s.message().find("'state_pool'"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("[slots, HV, V, K]"), std::string::npos) << s.message();
   p = make_decode_params(dc, d, o, idx, acc);
-  p.state_pool.dtype = DType::kBF16;
+  p.state_pool.dtype = DType::kF64;
   s = decode(p);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("float32"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("float32, bfloat16 or float16, got float64"), std::string::npos) << s.message();
 }
 
 // The inference forward reads initial states from a pool by slot index, in place: the same

@@ -423,6 +423,37 @@ def test_spec_decode(rng, poison_outputs, accepted, v_first):
         assert (pool[[13, 14, 15]].view(np.uint32) == POISON.view(np.uint32)).all()
 
 
+@pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
+@pytest.mark.parametrize("pool_dtype", [BF16, np.float16], ids=["bf16_pool", "f16_pool"])
+def test_spec_decode_narrow_pool(rng, poison_outputs, pool_dtype, v_first):
+    """A bfloat16 or float16 pool (FLA's kernel stores whatever dtype the pool has): each state is
+    read converted, the row's tokens run in fp32 (o as accurate as with an fp32 pool), and each
+    written state is the oracle's rounded to nearest in the pool's dtype: within half an ulp of the
+    fp64 state plus the fp32 computation's error (1e-5 of the largest element). Untouched slots
+    keep their bits."""
+    N, T, H, HV, K, V, slots = 4, 3, 2, 4, 32, 40, 16
+    x = make_inputs(rng, B=N, T=T, H=H, HV=HV, K=K, V=V, gate="raw", beta_sigmoid=True)
+    opts = dict(state_v_first=v_first, use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
+                A_log=rng.uniform(-1.0, 1.0, HV).astype(np.float32))
+    idx = np.array([[0, 1, 2], [3, -1, 4], [5, 6, 7], [8, 9, 10]], np.int64)
+    acc = np.array([1, 1, 2, 3], np.int32)
+    pool0 = pool_of(rng, slots, HV, K, V, v_first).astype(pool_dtype)
+    pool = pool0.copy()
+    o = libkda.kda_decode(**x, state_pool=pool, slot_indices=idx, num_accepted_tokens=acc, **opts)
+    ro, rpool = spec_oracle(x, pool0.astype(np.float64), idx, acc, opts)
+    assert pool.dtype == np.dtype(pool_dtype)
+    assert_close(o, ro, 1e-5, "o")
+    written = np.flatnonzero((rpool != pool0.astype(np.float64)).any(axis=(1, 2, 3)))
+    assert len(written) == 11  # every non-negative slot of idx
+    got, want = pool[written].astype(np.float64), rpool[written]
+    bits = 8 if np.dtype(pool_dtype) == np.dtype(BF16) else 11  # significand bits
+    half_ulp = np.ldexp(0.5, np.frexp(want)[1] - bits)
+    err = np.abs(got - want) - (half_ulp + 1e-5 * np.abs(want).max())
+    assert (err <= 0).all(), f"written slots: {int((err > 0).sum())} elements off by more than half an ulp"
+    others = np.setdiff1d(np.arange(slots), written)
+    assert_bitwise(pool[others], pool0[others], "untouched slots")
+
+
 # ---------------------------------------------------------------------------------------------
 # kda_decode: errors (nothing written)
 
@@ -483,8 +514,9 @@ def test_decode_pool_must_be_updatable_in_place(dec):
     ro.flags.writeable = False
     assert_rejected(r"'state_pool'.*read-only", x, ro, slot_indices=slots)
     assert_rejected(r"'state_pool'.*strides", x, pool[::-1], slot_indices=slots)
-    assert_rejected(r"'state_pool'.*float32.*float64", x, pool.astype(np.float64), slot_indices=slots)
-    assert_rejected(r"'state_pool'.*float32.*bfloat16", x, pool.astype(BF16), slot_indices=slots)
+    assert_rejected(r"'state_pool'.*float32, bfloat16 or float16.*float64", x, pool.astype(np.float64),
+                    slot_indices=slots)
+    assert_rejected(r"'state_pool'.*float32, bfloat16 or float16.*int32", x, pool.astype(np.int32), slot_indices=slots)
     with pytest.raises(ValueError, match=r"'state_pool'.*list"):
         libkda.kda_decode(**x, state_pool=pool.tolist(), slot_indices=slots)
     assert_rejected(r"'state_pool'.*\[slots, 2, 16, 16\]", x, pool[:, :, :8], slot_indices=slots)

@@ -209,3 +209,17 @@ def test_out_of_place_decode_of_no_tokens_returns_empty_results(per_token):
                                            output_final_state=True, ssm_state_indices=idx)
     assert tuple(o.shape) == (N, 0, HV, V) and tuple(states.shape) == (0, HV, K, V)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["in_place", "out_of_place"])
+def test_decode_of_no_tokens_still_checks_the_pool(inplace):
+    """vLLM's all-padding batch (cu_seqlens [0, 0, ...]) decodes nothing, but a pool of the wrong
+    shape or dtype is still an error naming it, as for a batch with tokens."""
+    q, k, v, g, beta, pool = _decode_inputs()
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    tokens = tuple(x[:1] for x in (q, k, v, g, beta))  # [1, T, ...]: a packed buffer of padding tokens
+    kw = dict(cu_seqlens=cu, ssm_state_indices=torch.full((N,), -1, dtype=torch.int32), inplace_final_state=inplace)
+    with pytest.raises(ValueError, match=r"'state_pool'.*\[slots, 2, 16, 8\], got \[5, 2, 16, 4\]"):
+        kt.fused_recurrent_kda_fwd(*tokens, initial_state=pool[..., : V // 2], **kw)
+    with pytest.raises(ValueError, match=r"'state_pool'.*float32, bfloat16 or float16, got float64"):
+        kt.fused_recurrent_kda_fwd(*tokens, initial_state=pool.double(), **kw)

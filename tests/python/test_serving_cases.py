@@ -638,13 +638,14 @@ def test_vllm_cpu_slot_zero_is_a_real_slot_and_negative_is_padding():
 # FlashInfer tests/kda/test_recurrent_kda_dense_padded_ssi.py: dense [B, 1, H, D] decode
 # (no cu_seqlens), H = 32, D = 64, precomputed gate; a -1 slot must not wrap around to the last
 # pool slot (which holds a 7.0 sentinel), the active slots change, the others stay bitwise the
-# same, and the returned final state is the pool itself.
+# same, and the returned final state is the pool itself. FlashInfer's pool is bf16; also float32.
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16_pool", "fp32_pool"])
 @pytest.mark.parametrize("B,ssi,active", [(2, [-1, 3], [3]), (4, [-1, 1, -1, 3], [1, 3])],
                          ids=["grouped-B2", "onewarp-B4"])
-def test_flashinfer_padded_slot_does_not_wrap(B, ssi, active):
+def test_flashinfer_padded_slot_does_not_wrap(B, ssi, active, pool_dtype):
     torch.manual_seed(0)
     H, D, n_slots = 32, 64, 5
-    state_pool = torch.zeros(n_slots, H, D, D)  # bf16 in FlashInfer: see the docstring
+    state_pool = torch.zeros(n_slots, H, D, D, dtype=pool_dtype)
     state_pool[-1] = 7.0
     for slot in active:
         state_pool[slot] = torch.randn(H, D, D) * 0.01
@@ -662,7 +663,8 @@ def test_flashinfer_padded_slot_does_not_wrap(B, ssi, active):
     ref_o, ref_ht = reference(q[rows], k[rows], v[rows], g[rows], beta[rows], h0=before[active], scale=D ** -0.5,
                               l2norm=True)
     assert_close(out[rows].double().numpy(), ref_o.numpy(), BF16_BOUND, "o")
-    assert_close(state_pool[active].double().numpy(), ref_ht.numpy(), F32_BOUND, "active slots")
+    assert_close(state_pool[active].double().numpy(), ref_ht.numpy(),
+                 F32_BOUND if pool_dtype == torch.float32 else BF16_BOUND, "active slots")
     pad = [i for i, s in enumerate(ssi) if s < 0]
     assert torch.equal(out[pad], torch.zeros_like(out[pad]))
 
@@ -680,14 +682,15 @@ def test_flashinfer_padded_slot_does_not_wrap(B, ssi, active):
                                                        (16, 128, True, True)],
                          ids=["H8-D64-precomputed", "H16-D128-precomputed", "H8-D64-precomputed-no-qk-l2",
                               "H8-D64-in-kernel", "H16-D128-in-kernel"])
-def test_flashinfer_vllm_cuda_graph_padding(H, D, gate_in_kernel, l2norm):
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16_pool", "fp32_pool"])
+def test_flashinfer_vllm_cuda_graph_padding(H, D, gate_in_kernel, l2norm, pool_dtype):
     torch.manual_seed(42)
     B_active, B_padded = 4, 3
     B_total = B_active + B_padded
-    pool = torch.zeros(32, H, D, D)  # bf16 in FlashInfer
+    pool = torch.zeros(32, H, D, D, dtype=pool_dtype)  # bf16 in FlashInfer
     pool[0] = 7.0
     active = torch.randperm(31)[:B_active] + 1
-    pool[active] = torch.randn(B_active, H, D, D) * 0.01
+    pool[active] = (torch.randn(B_active, H, D, D) * 0.01).to(pool_dtype)
     before = pool.clone()
     q, k, v = (torch.rand(1, B_total, H, D, dtype=torch.bfloat16) for _ in range(3))
     if gate_in_kernel:
@@ -762,25 +765,56 @@ def test_flashinfer_non_compact_pool_and_gate_strides(H, D):
 
 # ------------------------------------------------------------------------------------------
 # FlashInfer test_recurrent_kda.py test_vllm_decode and SGLang's KDA tests keep the decode pool in
-# bf16 (V-first). libkda's in-place decode takes a float32 pool (docs/PYTHON.md, Decode: "The pool
-# (float32, `initial_state`) is updated in place"): a bf16 or fp16 pool is a ValueError naming
-# the argument, raised before anything is computed or written (the input contract).
+# bf16 (V-first), as FLA's kernel allows any pool dtype: each state is read converted, the token
+# runs in fp32 and the state is stored rounded (docs/PYTHON.md, Decode). o against the float64
+# recurrence from the pool's own values, within SPEC.md's bf16 bound; each written state within
+# half an ulp of the pool dtype of the reference (plus the fp32 computation's 1e-5 of the largest
+# element: rounding the fp32 state, not the fp64 one); the other slots and `out`'s dtype kept.
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
-def test_bf16_pool_is_refused_before_anything_is_written(pool_dtype):
+def test_flashinfer_vllm_decode_narrow_pool(pool_dtype):
     torch.manual_seed(42)
     B, H, D = 7, 4, 128
     pool = torch.randn(B * 3, H, D, D).to(pool_dtype)
     before = pool.clone()
+    slots = torch.randperm(B * 3)[:B].int()
     q, k, v = (torch.rand(1, B, H, D, dtype=torch.bfloat16) for _ in range(3))
     g = torch.randn(1, B, H, D, dtype=torch.bfloat16)
     beta = torch.randn(1, B, H, dtype=torch.bfloat16).sigmoid()
+    A_log, dt_bias = torch.log(torch.empty(H).uniform_(1, 16)), torch.randn(H * D)
     out = torch.full((1, B, H, D), 3.0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"state_pool.*float32"):
-        kt.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=torch.log(torch.empty(H).uniform_(1, 16)),
-                                   dt_bias=torch.randn(H * D), initial_state=pool, scale=0.5,
-                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-                                   cu_seqlens=torch.arange(B + 1), ssm_state_indices=torch.randperm(B * 3)[:B].int(),
-                                   state_v_first=True, out=out)
+    o, fs = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool, scale=0.5,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                                       cu_seqlens=torch.arange(B + 1), ssm_state_indices=slots, state_v_first=True,
+                                       out=out)
+    assert o is out and fs is pool and pool.dtype == pool_dtype
+    ref_o, ref_ht = reference(q, k, v, g, beta, h0=before[slots.long()], cu=torch.arange(B + 1), scale=0.5,
+                              l2norm=True, gate="lower_bound", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                              v_first=True)
+    assert _ratio(ref_o, o) <= BF16_BOUND, f"o: ratio {_ratio(ref_o, o):.3g}"
+    got = pool[slots.long()].double()
+    bits = 8 if pool_dtype == torch.bfloat16 else 11  # significand bits
+    half_ulp = torch.ldexp(torch.full_like(ref_ht, 0.5), torch.frexp(ref_ht).exponent - bits)
+    excess = (got - ref_ht).abs() - (half_ulp + 1e-5 * ref_ht.abs().max())
+    assert bool((excess <= 0).all()), f"written slots: {int((excess > 0).sum())} elements off by more than half an ulp"
+    others = torch.ones(B * 3, dtype=torch.bool)
+    others[slots.long()] = False
+    assert torch.equal(pool[others], before[others])
+
+
+# A float64 pool (no kernel of FLA's serving stack keeps one) is refused before anything is
+# computed or written: a ValueError naming the argument and the dtypes taken.
+def test_float64_pool_is_refused_before_anything_is_written():
+    torch.manual_seed(42)
+    B, H, D = 3, 2, 32
+    pool = torch.randn(B, H, D, D, dtype=torch.float64)
+    before = pool.clone()
+    q, k, v = (torch.rand(1, B, H, D, dtype=torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, B, H, D)).to(torch.bfloat16)
+    beta = torch.rand(1, B, H, dtype=torch.bfloat16)
+    out = torch.full((1, B, H, D), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"state_pool.*float32, bfloat16 or float16.*float64"):
+        kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, cu_seqlens=torch.arange(B + 1),
+                                   ssm_state_indices=torch.arange(B).int(), out=out)
     assert torch.equal(pool, before) and bool((out == 3.0).all())
 
 
