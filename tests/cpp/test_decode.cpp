@@ -141,6 +141,36 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   EXPECT_NE(after[6 * slot], before[6 * slot]) << "row 1 writes slot 6 after token 0";
 }
 
+// A step that leaves the state as it was (k = 0, log decay 0: S <- 1 * S + 0) stores a narrow
+// pool back bit for bit, denormals included: the stores round to nearest even like
+// detail::f32_to_bf16 / f32_to_f16 (vcvtneps2bf16, which the bf16 V-first kernel uses where the
+// CPU has it, would flush the denormals to zero). Both layouts (K-first: the general path;
+// V-first: the converting kernel), every bit pattern of the low byte in the low elements.
+TEST(DecodeExact, NarrowPoolsKeepTheirBitsWhenTheStateIsUnchanged) {
+  for (const DType pool_dtype : {DType::kBF16, DType::kF16})
+    for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
+      DecodeCase dc;
+      dc.c.B = 2, dc.c.T = 1, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 48, dc.c.V = 40;
+      dc.c.gate = Gate::kLogDecay, dc.c.l2norm = false, dc.c.layout = layout;
+      dc.pool_dtype = pool_dtype;
+      dc.slots = 3;
+      dc.idx = {2, 0};
+      DecodeData d = make_decode_data(dc);
+      d.in.k.fill(0.0);
+      d.in.g.fill(0.0);
+      auto* bits = static_cast<std::uint16_t*>(d.pool.view.data);
+      const std::int64_t n = d.pool.numel();
+      for (std::int64_t i = 0; i < n; i += 3) bits[i] = static_cast<std::uint16_t>(((i & 1) << 15) | (i & 0xff));
+      const std::vector<std::uint16_t> before(bits, bits + n);
+      HostTensor o(DType::kF32, {2, 1, 2, 40}), idx, acc;
+      const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
+      ASSERT_TRUE(decode(p).ok());
+      for (std::int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(bits[i], before[i]) << (pool_dtype == DType::kBF16 ? "bf16" : "fp16") << " pool, "
+                                      << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i;
+    }
+}
+
 // No tokens (T = 0), with [N] or [N, 0] slot indices: a valid call that reads and writes nothing.
 TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
   for (const bool per_token : {false, true}) {
