@@ -709,9 +709,11 @@ def fused_recurrent_kda_fwd(
     n reads and writes slot ``ssm_state_indices[n]``; ``[N, T]`` with ``num_accepted_tokens [N]``:
     it reads slot ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` and writes the state after
     token t to ``ssm_state_indices[n, t]`` (negative: skipped; a negative read slot makes row n
-    padding: o = 0, pool untouched). Tokens: q ``[N, T, H, K]``, or ``[1, N * T, H, K]`` with
-    ``cu_seqlens = [0, T, 2T, ...]`` (equal lengths; sequences of no tokens anywhere decode nothing,
-    and tokens after ``cu_seqlens[-1]`` get o = 0, as vLLM pads a batch for its CUDA graphs).
+    padding: o = 0, pool untouched). Tokens: q ``[N, T, H, K]``, or ``[1, total, H, K]`` with
+    ``cu_seqlens`` (sequences of no tokens anywhere decode nothing, and tokens after
+    ``cu_seqlens[-1]`` get o = 0, as vLLM pads a batch for its CUDA graphs; sequences of different
+    lengths run a decode call per length, ``[N, T]`` indices then with T the longest sequence's
+    tokens, every index of the batch checked before the first call writes).
 
     Without ``ssm_state_indices`` this is ``fused_recurrent_kda``; with ``inplace_final_state=True``
     and an ``initial_state`` ``[N, HV, K, V]``, as in FLA, sequence n's final state is written back
@@ -801,39 +803,119 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
                          f"[{lo}, {hi}]")
 
 
-def _equal_segments(q, cu_seqlens, **others):
-    """(N, T, keep, used) of decode's packed layout, [1, tokens, ...] with cu_seqlens whose segments
-    all hold T tokens or none: the rows with tokens are then [rows, T, ...], a view of the first
-    `used` = cu_seqlens[-1] tokens, no copy. vLLM pads a decode batch for its CUDA graphs with
-    sequences of no tokens (cu_seqlens [0, 1, 2, 3, 3, 3] over a buffer of 5 tokens, slot -1): as in
-    FLA's kernel they decode nothing, and the tokens after cu_seqlens[-1] belong to no sequence
-    (o = 0 here). keep indexes the rows with T tokens (None: every row). Other ragged layouts are
-    refused (chunk_kda takes those)."""
+def _packed_lengths(q, cu_seqlens, **others):
+    """(N, lengths [N] int64, used = cu_seqlens[-1]) of decode's packed layout [1, tokens, ...],
+    after checking cu_seqlens (1-D int32 / int64, starting at 0, non-decreasing, ending at most at
+    the buffer's tokens) and that k, v, g and beta have q's tokens. vLLM pads a decode batch for its
+    CUDA graphs with sequences of no tokens (cu_seqlens [0, 1, 2, 3, 3, 3] over a buffer of 5
+    tokens, slot -1): as in FLA's kernel they decode nothing, and the tokens after cu_seqlens[-1]
+    belong to no sequence (o = 0 here)."""
     if q.shape[0] != 1:
         raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
         raise ValueError(f"kda: argument 'cu_seqlens': expected a 1-D int32 or int64 tensor, got "
                          f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
     total = q.shape[1]
-    for name, x in others.items():  # each is sliced to cu_seqlens[-1] tokens alone: same token count as q
+    for name, x in others.items():  # each is sliced by cu_seqlens alone: same token count as q
         if x.dim() < 2 or tuple(x.shape[:2]) != (1, total):
             raise ValueError(f"kda: argument '{name}': expected [1, {total}, ...] (q's tokens, packed with "
                              f"cu_seqlens), got {list(x.shape)}")
-    n = cu_seqlens.shape[0] - 1
-    lengths = cu_seqlens.diff().to(torch.int64) if n > 0 else cu_seqlens.new_zeros(0, dtype=torch.int64)
-    filled = lengths[lengths != 0]
-    t = int(filled[0]) if filled.numel() else 0
-    if n <= 0 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) > total or bool((filled != t).any()) or t < 0:
-        shown = cu_seqlens.tolist()
-        raise NotImplementedError(
-            "libkda.torch decode: with cu_seqlens every sequence must have the same number of tokens or none "
-            f"(cu_seqlens = [0, T, 2T, ...] up to at most {total} tokens, zero-length sequences anywhere), got "
-            f"{shown if len(shown) <= 8 else shown[:8] + ['...']}; use chunk_kda with initial states for "
-            "ragged prefill")
-    used = int(cu_seqlens[-1])
-    if filled.numel() == n:
-        return n, t, None, used
-    return n, t, torch.nonzero(lengths).flatten(), used  # (empty when no sequence has tokens)
+    cu = cu_seqlens.to(torch.int64).cpu()
+    n = cu.shape[0] - 1
+    lengths = cu.diff() if n > 0 else cu.new_zeros(0)
+    if n <= 0 or int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) > total:
+        shown = cu.tolist()
+        raise ValueError(f"kda: argument 'cu_seqlens': expected [0, ...] non-decreasing, at least two entries, "
+                         f"ending at most at the buffer's {total} tokens, got "
+                         f"{shown if len(shown) <= 8 else shown[:8] + ['...']}")
+    return n, lengths, int(cu[-1])
+
+
+def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots):
+    """The whole batch's slot indices when sequences of different lengths run as separate groups
+    (_decode_groups), checked before any group writes: int32 / int64, [N] or [N, T] with T the
+    longest sequence's tokens (row n uses its first lengths[n] entries, as FLA's kernel does),
+    below `slots`; num_accepted_tokens [N], only with [N, T], within [1, lengths[n]] for every row
+    with tokens; and each slot written by one row (kda::decode's rule, which a group alone would
+    only apply to its own rows)."""
+    name = "ssm_state_indices"
+    n, tmax = lengths.numel(), int(lengths.max())
+    if indices.dtype not in (torch.int32, torch.int64) or tuple(indices.shape) not in ((n,), (n, tmax)):
+        raise ValueError(f"kda: argument '{name}': expected an int32 or int64 tensor of shape [N] = [{n}] or "
+                         f"[N, T] = [{n}, {tmax}] (T: the longest sequence of cu_seqlens), got {indices.dtype} of "
+                         f"shape {list(indices.shape)}")
+    idx = indices.to(torch.int64).cpu()
+    if idx.numel() and int(idx.max()) >= slots:
+        raise ValueError(f"kda: argument '{name}': expected indices < slots = {slots} (negative = padding), got "
+                         f"{int(idx.max())}")
+    per_token = idx.dim() == 2
+    acc = None
+    if num_accepted_tokens is not None:
+        if not per_token:
+            raise ValueError(f"kda: argument 'num_accepted_tokens': needs {name} of shape [N, T], got "
+                             f"{list(indices.shape)}")
+        if num_accepted_tokens.dtype not in (torch.int32, torch.int64) or tuple(num_accepted_tokens.shape) != (n,):
+            raise ValueError(f"kda: argument 'num_accepted_tokens': expected an int32 or int64 tensor of shape [N] = "
+                             f"[{n}], got {num_accepted_tokens.dtype} of shape {list(num_accepted_tokens.shape)}")
+        acc = num_accepted_tokens.to(torch.int64).cpu()
+        bad = torch.nonzero((lengths > 0) & ((acc < 1) | (acc > lengths))).flatten()
+        if bad.numel():
+            row = int(bad[0])
+            raise ValueError(f"kda: argument 'num_accepted_tokens': expected values in [1, T] with T the row's "
+                             f"tokens, got {int(acc[row])} at row {row} of {int(lengths[row])} tokens")
+    owner = {}
+    for row in torch.nonzero(lengths).flatten().tolist():
+        read = int(idx[row, int(acc[row]) - 1 if acc is not None else 0] if per_token else idx[row])
+        if read < 0:  # padding row: nothing read, nothing written
+            continue
+        writes = idx[row, :int(lengths[row])].tolist() if per_token else [read]
+        for slot in set(w for w in writes if w >= 0):
+            if owner.setdefault(slot, row) != row:
+                raise ValueError(f"kda: argument '{name}': slot {slot} is written by rows {owner[slot]} and {row}; "
+                                 f"each slot may belong to one sequence")
+
+
+def _decode_groups(q, k, v, g, beta, cu_seqlens, slots, indices, num_accepted_tokens):
+    """Decode's packed layout ([1, tokens, ...] with cu_seqlens) as groups of sequences of one
+    length: ([(q, k, v, g, beta as [rows, T, ...], the rows' slot indices, accepted counts, token
+    positions)], the buffer's token count). One length (vLLM's decode and speculative batches):
+    one group of views, positions None (its tokens are the first cu_seqlens[-1], in order).
+    Several lengths (vLLM's CPU recurrent op over ragged sequences): a group per length, its rows'
+    tokens gathered, positions their rows in the buffer; the whole batch's indices are checked
+    first (_check_ragged_indices). Sequences of no tokens decode nothing (their indices are still
+    checked); with none at all the list is empty."""
+    total = q.shape[1]
+    n, lengths, used = _packed_lengths(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
+    rows = torch.nonzero(lengths).flatten()
+    distinct = sorted(set(lengths[rows].tolist()))
+    if len(distinct) <= 1:
+        keep = None if rows.numel() == n else rows
+        indices, num_accepted_tokens = _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens)
+        if not distinct:
+            return [], total
+        tokens = tuple(x[0, :used].unflatten(0, (rows.numel(), distinct[0])) for x in (q, k, v, g, beta))
+        return [(tokens, indices, num_accepted_tokens, None)], total
+    _check_ragged_indices(indices, num_accepted_tokens, lengths, slots)
+    starts = cu_seqlens[:-1].to(torch.int64).cpu()
+    groups = []
+    for t in distinct:
+        sel = rows[lengths[rows] == t]
+        pos = (starts[sel][:, None] + torch.arange(t)).flatten()
+        tokens = tuple(x[0, pos.to(x.device)].unflatten(0, (sel.numel(), t)) for x in (q, k, v, g, beta))
+        at = sel.to(indices.device)
+        idx = indices[at] if indices.dim() == 1 else indices[at, :t]
+        acc = None if num_accepted_tokens is None else num_accepted_tokens[sel.to(num_accepted_tokens.device)]
+        groups.append((tokens, idx, acc, pos))
+    return groups, total
+
+
+def _scatter_tokens(parts, total, like):
+    """[1, total, ...] from (values [rows, T, ...], positions) pairs, zero at the positions none
+    covers (the tokens of no sequence)."""
+    out = like.new_zeros((1, total) + tuple(like.shape[2:]))
+    for values, pos in parts:
+        out[0, pos.to(out.device)] = values.flatten(0, 1).to(out.dtype)
+    return out
 
 
 def _pad_tokens(x, total):
@@ -864,17 +946,6 @@ def _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens):
         num_accepted_tokens.device)])
 
 
-def _packed_decode_rows(q, k, v, g, beta, cu_seqlens, slots, indices, num_accepted_tokens):
-    """Decode's packed layout as rows: ([rows, T, ...] q, k, v, g, beta (None when no sequence has
-    tokens), the rows' slot indices and accepted counts, the buffer's token count)."""
-    total = q.shape[1]
-    n, t, keep, used = _equal_segments(q, cu_seqlens, k=k, v=v, g=g, beta=beta)
-    indices, num_accepted_tokens = _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens)
-    rows = n if keep is None else keep.numel()
-    tokens = None if rows == 0 else tuple(x[0, :used].unflatten(0, (rows, t)) for x in (q, k, v, g, beta))
-    return tokens, indices, num_accepted_tokens, total
-
-
 def _check_pool(pool, q, v, state_v_first, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
     """The state pool's rank, shape ([slots, HV, K, V], or [slots, HV, V, K] with state_v_first) and
     dtype, checked here for the calls that return before kda::decode checks them (no sequence has
@@ -898,16 +969,23 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     it. One kda::decode call with a slot per token: the returned buffer is its pool, sequence n's
     read state is copied into the row of token ``a_n - 1`` (a_n = its accepted tokens, else 1) and
     token t's state goes to row ``n T + t``, so the decode reads each state once and writes every
-    token's state once, as the in-place speculative decode does."""
+    token's state once, as the in-place speculative decode does. Packed sequences of different
+    lengths run a group per length (_decode_groups), each row's states at its own tokens' rows."""
     packed = cu_seqlens is not None
     if packed:
-        tokens, indices, num_accepted_tokens, total = _packed_decode_rows(q, k, v, g, beta, cu_seqlens, pool.shape[0],
-                                                                          indices, num_accepted_tokens)
-        if tokens is None:  # no sequence has tokens: nothing to read; every token's o and state is 0
+        groups, total = _decode_groups(q, k, v, g, beta, cu_seqlens, pool.shape[0], indices, num_accepted_tokens)
+        if not groups:  # no sequence has tokens: nothing to read; every token's o and state is 0
             _check_pool(pool, q, v, gate["state_v_first"])
             o = torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
             return o, torch.zeros((total,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
-        q, k, v, g, beta = tokens
+        if groups[0][3] is not None:  # several lengths: each group unpacked, then scattered back
+            parts = [(*_decode_out_of_place(*tokens, pool, idx, acc, None, gate), pos)
+                     for tokens, idx, acc, pos in groups]
+            o = _scatter_tokens([(o_g, pos) for o_g, _, pos in parts], total, q.new_empty((1, 0) + tuple(v.shape[2:])))
+            final = _scatter_tokens([(f_g.unsqueeze(1), pos) for _, f_g, pos in parts], total,
+                                    pool.new_empty((1, 0) + tuple(pool.shape[1:]), dtype=torch.float32))[0]
+            return o, final
+        (q, k, v, g, beta), indices, num_accepted_tokens, _ = groups[0]
     n, t = q.shape[0], q.shape[1]
     _check_decode_indices(indices, num_accepted_tokens, n, t, pool.shape[0])
     if t == 0:  # no tokens: nothing to read or return, as the in-place decode of T = 0 is a no-op
@@ -953,12 +1031,18 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     packed = cu_seqlens is not None
     if packed:
-        tokens, ssm_state_indices, num_accepted_tokens, total = _packed_decode_rows(
-            q, k, v, g, beta, cu_seqlens, state_pool.shape[0], ssm_state_indices, num_accepted_tokens)
-        if tokens is None:  # no sequence has tokens: the pool untouched, o = 0
+        groups, total = _decode_groups(q, k, v, g, beta, cu_seqlens, state_pool.shape[0], ssm_state_indices,
+                                       num_accepted_tokens)
+        if not groups:  # no sequence has tokens: the pool untouched, o = 0
             _check_pool(state_pool, q, v, state_v_first)
             return torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
-        q, k, v, g, beta = tokens
+        if groups[0][3] is not None:  # several lengths: a call per group (their write slots are disjoint)
+            opts = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first)
+            parts = [(kda_decode(*tokens, state_pool, idx, acc, **opts), pos) for tokens, idx, acc, pos in groups]
+            return _scatter_tokens(parts, total, q.new_empty((1, 0) + tuple(v.shape[2:])))
+        (q, k, v, g, beta), ssm_state_indices, num_accepted_tokens, _ = groups[0]
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
     A_log, dt_bias = _gate_params(q, v, A_log, dt_bias)

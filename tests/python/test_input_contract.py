@@ -3,6 +3,8 @@ is refused rather than read as "not given", tensors on another device or of a wr
 named, outputs and pools are checked before anything is written, a decode of no tokens is a
 no-op, and outputs whose elements overlap are refused."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import make_inputs
@@ -74,11 +76,35 @@ def test_torch_dtype_errors_name_the_actual_dtype():
                       cu_seqlens=torch.tensor([0.0, 1.0, 2.0, 3.0]))
 
 
-def test_packed_decode_with_unequal_segments_shows_cu_seqlens():
+@pytest.mark.parametrize("cu", [[1, 3, 5, 6], [0, 4, 2, 6], [0, 2, 4, 7], [0]], ids=["start", "decreasing", "past_end",
+                                                                                 "no_sequence"])
+def test_packed_decode_with_bad_cu_seqlens_shows_them(cu):
     q, k, v, g, beta, pool = _decode_inputs(T=2)
-    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]
-    with pytest.raises(NotImplementedError, match=r"got \[1, 3, 5, 6\]"):
-        kt.kda_decode(*packed, pool, torch.arange(N), cu_seqlens=torch.tensor([1, 3, 5, 6]))
+    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]  # 6 tokens
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"'cu_seqlens'.*got " + re.escape(str(cu))):
+        kt.kda_decode(*packed, pool, torch.arange(max(len(cu) - 1, 1)), cu_seqlens=torch.tensor(cu))
+    assert torch.equal(pool, before)
+
+
+def test_ragged_decode_checks_every_index_before_any_group_writes():
+    """Sequences of different lengths run a call per length; a bad index in any of them (a slot two
+    rows write, an accepted count past its row's tokens, [N, T] indices narrower than the longest
+    row) is refused before the first call writes."""
+    q, k, v, g, beta, pool = _decode_inputs(T=3)
+    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]  # 9 tokens: rows of 2, 3 and 4
+    cu = torch.tensor([0, 2, 5, 9])
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"'ssm_state_indices'.*slot 1 is written by rows 0 and 2"):
+        kt.kda_decode(*packed, pool, torch.tensor([1, 0, 1]), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"'ssm_state_indices'.*slot 4 is written by rows 1 and 2"):
+        kt.kda_decode(*packed, pool, torch.tensor([[0, 1, -1, -1], [2, 3, 4, -1], [4, -1, -1, -1]]), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"'num_accepted_tokens'.*got 3 at row 0 of 2 tokens"):
+        kt.kda_decode(*packed, pool, torch.tensor([[0, 1, -1, -1], [2, 3, -1, -1], [4, -1, -1, -1]]),
+                      num_accepted_tokens=torch.tensor([3, 1, 1]), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"'ssm_state_indices'.*\[N, T\] = \[3, 4\].*got.*\[3, 3\]"):
+        kt.kda_decode(*packed, pool, torch.zeros(3, 3, dtype=torch.int64), cu_seqlens=cu)
+    assert torch.equal(pool, before)
 
 
 def test_jax_rejects_non_float_inputs_and_float_segment_ids():
@@ -140,10 +166,10 @@ def test_out_of_place_decode_checks_indices_as_the_in_place_one_does():
         call(ssm_state_indices=torch.arange(N), num_accepted_tokens=torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError, match=r"'ssm_state_indices'.*< slots = 5.*got 5"):
         call(ssm_state_indices=torch.tensor([0, 1, 5]))
-    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]  # 9 tokens
-    with pytest.raises(NotImplementedError, match=r"same number of tokens.*got \[0, 1, 9\]"):
+    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]  # 9 tokens: ragged rows of 1 and 8
+    with pytest.raises(ValueError, match=r"'ssm_state_indices'.*< slots = 5.*got 7"):
         kt.fused_recurrent_kda_fwd(*packed, initial_state=pool, inplace_final_state=False,
-                                   ssm_state_indices=torch.tensor([0, 1]), cu_seqlens=torch.tensor([0, 1, 9]))
+                                   ssm_state_indices=torch.tensor([0, 7]), cu_seqlens=torch.tensor([0, 1, 9]))
 
 
 def test_flash_kda_fwd_checks_its_buffers_before_writing():

@@ -582,11 +582,11 @@ def test_vllm_cpu_chunk_kda_matches_reference(safe, with_initial_state):
 
 def test_vllm_cpu_paged_recurrent_over_ragged_sequences():
     """test_recurrent_kda_paged_cache: vLLM's CPU recurrent op runs ragged multi-token sequences
-    through slot indices [1, 3, 5] of an 8-slot V-first pool. libkda's slot-indexed decode takes
-    equal-length sequences only and refuses ragged cu_seqlens with NotImplementedError before
-    writing anything (docs/PYTHON.md, Decode: "checked to be equal-length"); its documented route
-    for ragged prefill into pool slots is chunk_kda with the gathered states, which must then give
-    vLLM's result at 1e-5 and leave the other slots bitwise untouched."""
+    (17, 13 and 10 tokens) through slot indices [1, 3, 5] of an 8-slot V-first pool. libkda runs
+    a decode call per length (docs/PYTHON.md, Decode): o and the written slots against the float64
+    recurrence at 1e-5, the other slots bitwise untouched; out of place (other kernels: each
+    token's state kept), o and the last tokens' states at 1e-5 too and the pool untouched; and chunk_kda on the gathered states (the route for long
+    ragged prefill) agrees at 1e-5."""
     q, k, v, g, beta, a_log, g_bias = _cpu_inputs()
     torch.manual_seed(1)
     init = torch.randn(8, CPU_H, CPU_V, CPU_K) * 0.3
@@ -594,20 +594,27 @@ def test_vllm_cpu_paged_recurrent_over_ragged_sequences():
     slots = torch.tensor(CPU_SLOTS, dtype=torch.int32)
     opts = dict(A_log=a_log, dt_bias=g_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                 use_beta_sigmoid_in_kernel=True, lower_bound=CPU_LB, state_v_first=True)
-    with pytest.raises(NotImplementedError, match="same number of tokens"):
-        kt.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache, cu_seqlens=CPU_CU, ssm_state_indices=slots,
-                               **opts)
-    assert torch.equal(cache, init), "a refused call wrote the pool"
-
-    o, fs = kt.chunk_kda(q, k, v, g, beta, initial_state=cache[slots.long()], output_final_state=True,
-                         cu_seqlens=CPU_CU, **opts)
-    cache[slots.long()] = fs
+    o, fs = kt.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache, cu_seqlens=CPU_CU, ssm_state_indices=slots,
+                                   **opts)
+    assert fs is cache
     ref_o, ref_ht = reference(q, k, v, g, beta, h0=init[slots.long()], cu=CPU_CU, l2norm=True, gate="lower_bound",
                               A_log=a_log, dt_bias=g_bias, lower_bound=CPU_LB, beta_sigmoid=True, v_first=True)
-    assert _max_diff(o, ref_o) <= 1e-5
+    assert _max_diff(o, ref_o) <= 1e-5, _max_diff(o, ref_o)
     assert _max_diff(cache[slots.long()], ref_ht) <= 1e-5
     untouched = [s for s in range(8) if s not in CPU_SLOTS]
     assert torch.equal(cache[untouched], init[untouched])
+
+    pool = init.clone()
+    o_oop, states = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=False,
+                                               output_final_state=True, cu_seqlens=CPU_CU, ssm_state_indices=slots,
+                                               **opts)
+    assert torch.equal(pool, init) and _max_diff(o_oop, ref_o) <= 1e-5
+    last = (CPU_CU[1:] - 1).long()  # each sequence's last token: its final state
+    assert _max_diff(states[last], ref_ht) <= 1e-5
+
+    oc, hc = kt.chunk_kda(q, k, v, g, beta, initial_state=init[slots.long()], output_final_state=True,
+                          cu_seqlens=CPU_CU, **opts)
+    assert _max_diff(oc, ref_o) <= 1e-5 and _max_diff(hc, ref_ht) <= 1e-5
 
 
 def test_vllm_cpu_slot_zero_is_a_real_slot_and_negative_is_padding():

@@ -368,9 +368,14 @@ def test_decode_speculative_and_packed():
     o_np = libkda.kda_decode(q.numpy(), k.numpy(), v.numpy(), g.numpy(), beta.numpy(), pool_np, idx.numpy(),
                              num_accepted_tokens=acc.numpy(), state_v_first=True)
     assert np.array_equal(o.reshape(2, 3, 2, 8).numpy(), o_np) and np.array_equal(pool.numpy(), pool_np)
-    with pytest.raises(NotImplementedError, match="same number of tokens"):
-        kt.fused_recurrent_kda(*packed, initial_state=pool, ssm_state_indices=idx[:, 0],
-                               cu_seqlens=torch.tensor([0, 2, 6]))
+    # Ragged rows (2 and 4 tokens) decode as separate equal-length calls would, bit for bit.
+    ragged_pool, split_pool = pool.clone(), pool.clone()
+    o_r, _ = kt.fused_recurrent_kda(*packed, initial_state=ragged_pool, ssm_state_indices=idx[:, 0],
+                                    cu_seqlens=torch.tensor([0, 2, 6]), state_v_first=True)
+    parts = [kt.fused_recurrent_kda(*(x[:, s:e] for x in packed), initial_state=split_pool,
+                                    ssm_state_indices=idx[n:n + 1, 0], cu_seqlens=torch.tensor([0, e - s]),
+                                    state_v_first=True)[0] for n, (s, e) in enumerate([(0, 2), (2, 6)])]
+    assert torch.equal(o_r, torch.cat(parts, 1)) and torch.equal(ragged_pool, split_pool)
 
 
 def _opcheck(op, args):

@@ -131,3 +131,69 @@ def test_vllm_decode_matches_float64_recurrence(seed):
             written.add(s)
     untouched = [s for s in range(slots) if s not in written]
     assert torch.equal(pool[untouched], before[untouched]), f"a slot no row writes changed | {tag}"
+
+
+@pytest.mark.parametrize("seed", range(6 if COUNT < 150 else 60))
+def test_ragged_packed_decode_matches_float64_recurrence(seed):
+    """Packed sequences of different lengths (0 to 5 tokens; a call per length inside) through
+    fused_recurrent_kda_fwd: [N] indices (read and written back) or [N, T_max] indices with
+    num_accepted_tokens (row n reads idx[n, a_n - 1], token t's state to idx[n, t] for its own
+    tokens), in place or out of place, fp32 or narrow pools, both layouts; o and every kept state
+    against the float64 recurrence, every other slot bitwise unchanged."""
+    rng = np.random.default_rng(7000 + seed)
+    N, H, K, V = int(rng.integers(2, 6)), 2, 32, 24
+    v_first, inplace = bool(rng.integers(0, 2)), bool(rng.integers(0, 2))
+    pool_dtype = [torch.float32, torch.bfloat16, torch.float16][int(rng.integers(0, 3))]
+    lengths = [int(x) for x in rng.integers(0, 6, N)]
+    lengths[0], lengths[1] = 2, 5  # at least two lengths
+    T_all, T_max = sum(lengths), max(lengths)
+    cu = torch.tensor([0] + list(np.cumsum(lengths)))
+    torch.manual_seed(seed)
+    q, k = torch.randn(1, T_all, H, K), F.normalize(torch.randn(1, T_all, H, K), dim=-1)
+    v, g = torch.randn(1, T_all, H, V), F.logsigmoid(torch.randn(1, T_all, H, K)) / 4
+    beta = torch.rand(1, T_all, H)
+    slots = N * T_max + 2
+    perm = torch.from_numpy(rng.permutation(slots)).long()
+    per_token = bool(rng.integers(0, 2))
+    accepted = None
+    if per_token:
+        idx = perm[:N * T_max].reshape(N, T_max).clone()
+        accepted = torch.tensor([int(rng.integers(1, max(n, 1) + 1)) for n in lengths])
+    else:
+        idx = perm[:N].clone()
+    pool = (torch.randn((slots, H, V, K) if v_first else (slots, H, K, V)) * 0.2).to(pool_dtype)
+    before = pool.clone()
+    o, fs = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=inplace,
+                                       output_final_state=True, state_v_first=v_first, cu_seqlens=cu,
+                                       ssm_state_indices=idx, num_accepted_tokens=accepted)
+    tag = f"seed {seed}: lengths {lengths}, per_token {per_token}, v_first {v_first}, inplace {inplace}, {pool_dtype}"
+    pool_bound = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -12}[pool_dtype]
+    written = set()
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        if s == e:
+            continue
+        read = int(idx[n, int(accepted[n]) - 1]) if per_token else int(idx[n])
+        h = before[read].to(F64)
+        h = h.transpose(-1, -2) if v_first else h
+        for t in range(e - s):
+            sl = slice(s + t, s + t + 1)
+            ot, h = kt.naive_recurrent_kda(q[:, sl].to(F64), k[:, sl].to(F64), v[:, sl].to(F64), g[:, sl].to(F64),
+                                           beta[:, sl].to(F64), initial_state=h[None] if h.dim() == 3 else h,
+                                           output_final_state=True)
+            e_o = torch_rel(ot[0, 0], o[0, s + t])
+            assert e_o <= 1e-5, f"row {n} token {t}: o rel={e_o:.3e} | {tag}"
+            state = h[0].transpose(-1, -2) if v_first else h[0]
+            if not inplace:
+                e_s = torch_rel(state, fs[s + t])
+                assert e_s <= 1e-5, f"row {n} token {t}: returned state rel={e_s:.3e} | {tag}"
+                continue
+            target = int(idx[n, t]) if per_token else (int(idx[n]) if t == e - s - 1 else -1)
+            if target >= 0:
+                e_s = torch_rel(state, pool[target])
+                assert e_s <= pool_bound, f"row {n}: slot {target} after token {t} rel={e_s:.3e} | {tag}"
+                written.add(target)
+    if inplace:
+        assert fs is pool
+    untouched = [s for s in range(slots) if s not in written]
+    assert torch.equal(pool[untouched], before[untouched]), f"a slot no row writes changed | {tag}"
