@@ -443,10 +443,11 @@ def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_token
     [N, T, HV, V] in q's dtype.
 
     q, k [N, T, H, K]; v [N, T, HV, V]; g [N, T, HV, K]; beta [N, T, HV] (any strides; input
-    transforms as in chunk_kda). state_pool: a writable float32 numpy array [slots, HV, K, V]
-    ([slots, HV, V, K] with state_v_first), updated IN PLACE (never copied; a read-only or
-    otherwise uncopyable-in-place array raises ValueError). A bfloat16 or float16 pool is read
-    converted and written rounded to nearest (the state stays fp32 through a row's tokens). slot_indices, int32/int64:
+    transforms as in chunk_kda). state_pool: a writable float32 (or bfloat16 / float16) numpy
+    array [slots, HV, K, V] ([slots, HV, V, K] with state_v_first), updated IN PLACE (never
+    copied; a read-only or otherwise uncopyable-in-place array raises ValueError). A bfloat16 or
+    float16 pool is read converted and written rounded to nearest (the state stays fp32 through a
+    row's tokens). slot_indices, int32/int64:
       [N]    -- sequence n reads slot slot_indices[n] and writes its state after the last token
                 back to it;
       [N, T] -- sequence n reads slot slot_indices[n, a - 1], a = num_accepted_tokens[n] (1 when

@@ -384,7 +384,9 @@ def _check_tensors(ints=(), **tensors):
             )
         if name in ints and t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"kda: argument '{name}': expected dtype int32 or int64, got {t.dtype}")
-        if name not in ints and t.dtype not in _FLOATS:
+        if name == "state_pool":  # decode pools: float32, or narrow (no float64 pools)
+            _check_pool_dtype(t)
+        elif name not in ints and t.dtype not in _FLOATS:
             raise ValueError(f"kda: argument '{name}': expected dtype float32, bfloat16, float16 or float64, got "
                              f"{t.dtype}")
 
@@ -946,19 +948,29 @@ def _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens):
         num_accepted_tokens.device)])
 
 
-def _check_pool(pool, q, v, state_v_first, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_pool_dtype(pool):
+    if pool.dtype not in _POOL_DTYPES:
+        raise ValueError(f"kda: argument 'state_pool': expected dtype float32, bfloat16 or float16, got "
+                         f"{str(pool.dtype).removeprefix('torch.')}")
+
+
+def _check_pool(pool, q, v, state_v_first):
     """The state pool's rank, shape ([slots, HV, K, V], or [slots, HV, V, K] with state_v_first) and
-    dtype, checked here for the calls that return before kda::decode checks them (no sequence has
-    tokens), so that a bad pool is an error whatever the batch holds."""
+    dtype, checked here for the calls that do not reach kda::decode's own check (no sequence has
+    tokens; out of place, where the pool is only read by copies), so that a bad pool is an error
+    whatever the batch holds and whichever entry reads it."""
+    _check_pool_dtype(pool)
+    if q.dim() < 1 or v.dim() < 2:  # malformed tokens: the decode names them
+        return
     hv, kd, vd = v.shape[-2], q.shape[-1], v.shape[-1]
     inner = (hv, vd, kd) if state_v_first else (hv, kd, vd)
     if pool.dim() != 4 or tuple(pool.shape[1:]) != inner:
-        raise ValueError(f"kda: argument 'state_pool': expected shape [slots, HV, {'V, K' if state_v_first else 'K, V'}]"
-                         f" = [slots, {', '.join(map(str, inner))}], got {list(pool.shape)}")
-    if pool.dtype not in dtypes:
-        names = [str(d).removeprefix("torch.") for d in dtypes]
-        raise ValueError(f"kda: argument 'state_pool': expected dtype {', '.join(names[:-1])} or {names[-1]}, got "
-                         f"{str(pool.dtype).removeprefix('torch.')}")
+        layout = "V, K" if state_v_first else "K, V"
+        raise ValueError(f"kda: argument 'state_pool': expected shape [slots, HV, {layout}] = "
+                         f"[slots, {', '.join(map(str, inner))}], got {list(pool.shape)}")
 
 
 def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, cu_seqlens, gate):
@@ -971,11 +983,11 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     token t's state goes to row ``n T + t``, so the decode reads each state once and writes every
     token's state once, as the in-place speculative decode does. Packed sequences of different
     lengths run a group per length (_decode_groups), each row's states at its own tokens' rows."""
+    _check_pool(pool, q, v, gate["state_v_first"])
     packed = cu_seqlens is not None
     if packed:
         groups, total = _decode_groups(q, k, v, g, beta, cu_seqlens, pool.shape[0], indices, num_accepted_tokens)
         if not groups:  # no sequence has tokens: nothing to read; every token's o and state is 0
-            _check_pool(pool, q, v, gate["state_v_first"])
             o = torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
             return o, torch.zeros((total,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
         if groups[0][3] is not None:  # several lengths: each group unpacked, then scattered back

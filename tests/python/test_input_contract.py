@@ -249,3 +249,24 @@ def test_decode_of_no_tokens_still_checks_the_pool(inplace):
         kt.fused_recurrent_kda_fwd(*tokens, initial_state=pool[..., : V // 2], **kw)
     with pytest.raises(ValueError, match=r"'state_pool'.*float32, bfloat16 or float16, got float64"):
         kt.fused_recurrent_kda_fwd(*tokens, initial_state=pool.double(), **kw)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "cu_seqlens"])
+def test_out_of_place_decode_checks_the_pool_it_only_copies_from(packed):
+    """Out of place the pool is only read (copied into the returned float32 states), so the copy
+    would take any dtype and the kernel never sees the pool: its dtype and shape are checked as the
+    in-place decode checks them, with tokens or without."""
+    q, k, v, g, beta, pool = _decode_inputs()
+    tokens = (q, k, v, g, beta)
+    kw = dict(ssm_state_indices=torch.arange(N), inplace_final_state=False, output_final_state=True)
+    if packed:
+        tokens = tuple(x.flatten(0, 1)[None] for x in tokens)
+        kw["cu_seqlens"] = torch.arange(N + 1)
+    for T in (1, 0):
+        part = tuple(x[:, :T] if not packed else x[:, :T * N] for x in tokens)
+        if packed:
+            kw["cu_seqlens"] = torch.arange(N + 1) * T
+        with pytest.raises(ValueError, match=r"'state_pool'.*float32, bfloat16 or float16, got float64"):
+            kt.fused_recurrent_kda_fwd(*part, initial_state=pool.double(), **kw)
+        with pytest.raises(ValueError, match=r"'state_pool'.*\[slots, 2, 16, 8\], got \[5, 2, 16, 3\]"):
+            kt.fused_recurrent_kda_fwd(*part, initial_state=pool[..., :3], **kw)

@@ -585,8 +585,8 @@ def test_vllm_cpu_paged_recurrent_over_ragged_sequences():
     (17, 13 and 10 tokens) through slot indices [1, 3, 5] of an 8-slot V-first pool. libkda runs
     a decode call per length (docs/PYTHON.md, Decode): o and the written slots against the float64
     recurrence at 1e-5, the other slots bitwise untouched; out of place (other kernels: each
-    token's state kept), o and the last tokens' states at 1e-5 too and the pool untouched; and chunk_kda on the gathered states (the route for long
-    ragged prefill) agrees at 1e-5."""
+    token's state kept), o and the last tokens' states at 1e-5 too and the pool untouched; and
+    chunk_kda on the gathered states (the route for long ragged prefill) agrees at 1e-5."""
     q, k, v, g, beta, a_log, g_bias = _cpu_inputs()
     torch.manual_seed(1)
     init = torch.randn(8, CPU_H, CPU_V, CPU_K) * 0.3
