@@ -833,13 +833,14 @@ def _packed_lengths(q, cu_seqlens, **others):
     return n, lengths, int(cu[-1])
 
 
-def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots):
+def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots, writes):
     """The whole batch's slot indices when sequences of different lengths run as separate groups
     (_decode_groups), checked before any group writes: int32 / int64, [N] or [N, T] with T the
     longest sequence's tokens (row n uses its first lengths[n] entries, as FLA's kernel does),
     below `slots`; num_accepted_tokens [N], only with [N, T], within [1, lengths[n]] for every row
-    with tokens; and each slot written by one row (kda::decode's rule, which a group alone would
-    only apply to its own rows)."""
+    with tokens; and, when the call `writes` the pool (in place), each slot written by one row
+    (kda::decode's rule, which a group alone would only apply to its own rows; out of place the
+    pool is only read, and rows may share a slot)."""
     name = "ssm_state_indices"
     n, tmax = lengths.numel(), int(lengths.max())
     if indices.dtype not in (torch.int32, torch.int64) or tuple(indices.shape) not in ((n,), (n, tmax)):
@@ -866,7 +867,7 @@ def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots):
             raise ValueError(f"kda: argument 'num_accepted_tokens': expected values in [1, T] with T the row's "
                              f"tokens, got {int(acc[row])} at row {row} of {int(lengths[row])} tokens")
     owner = {}
-    for row in torch.nonzero(lengths).flatten().tolist():
+    for row in (torch.nonzero(lengths).flatten().tolist() if writes else []):
         read = int(idx[row, int(acc[row]) - 1 if acc is not None else 0] if per_token else idx[row])
         if read < 0:  # padding row: nothing read, nothing written
             continue
@@ -877,7 +878,7 @@ def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots):
                                  f"each slot may belong to one sequence")
 
 
-def _decode_groups(q, k, v, g, beta, cu_seqlens, slots, indices, num_accepted_tokens):
+def _decode_groups(q, k, v, g, beta, cu_seqlens, slots, indices, num_accepted_tokens, writes):
     """Decode's packed layout ([1, tokens, ...] with cu_seqlens) as groups of sequences of one
     length: ([(q, k, v, g, beta as [rows, T, ...], the rows' slot indices, accepted counts, token
     positions)], the buffer's token count). One length (vLLM's decode and speculative batches):
@@ -897,7 +898,7 @@ def _decode_groups(q, k, v, g, beta, cu_seqlens, slots, indices, num_accepted_to
             return [], total
         tokens = tuple(x[0, :used].unflatten(0, (rows.numel(), distinct[0])) for x in (q, k, v, g, beta))
         return [(tokens, indices, num_accepted_tokens, None)], total
-    _check_ragged_indices(indices, num_accepted_tokens, lengths, slots)
+    _check_ragged_indices(indices, num_accepted_tokens, lengths, slots, writes)
     starts = cu_seqlens[:-1].to(torch.int64).cpu()
     groups = []
     for t in distinct:
@@ -957,14 +958,14 @@ def _check_pool_dtype(pool):
                          f"{str(pool.dtype).removeprefix('torch.')}")
 
 
-def _check_pool(pool, q, v, state_v_first):
+def _check_pool(pool, q, v, g, state_v_first):
     """The state pool's rank, shape ([slots, HV, K, V], or [slots, HV, V, K] with state_v_first) and
     dtype, checked here for the calls that do not reach kda::decode's own check (no sequence has
     tokens; out of place, where the pool is only read by copies), so that a bad pool is an error
     whatever the batch holds and whichever entry reads it."""
     _check_pool_dtype(pool)
-    if q.dim() < 1 or v.dim() < 2:  # malformed tokens: the decode names them
-        return
+    if q.dim() < 1 or v.dim() < 2 or g.dim() < 2 or tuple(g.shape[-2:]) != (v.shape[-2], q.shape[-1]):
+        return  # tokens that disagree among themselves: the decode names them, not the pool
     hv, kd, vd = v.shape[-2], q.shape[-1], v.shape[-1]
     inner = (hv, vd, kd) if state_v_first else (hv, kd, vd)
     if pool.dim() != 4 or tuple(pool.shape[1:]) != inner:
@@ -983,10 +984,11 @@ def _decode_out_of_place(q, k, v, g, beta, pool, indices, num_accepted_tokens, c
     token t's state goes to row ``n T + t``, so the decode reads each state once and writes every
     token's state once, as the in-place speculative decode does. Packed sequences of different
     lengths run a group per length (_decode_groups), each row's states at its own tokens' rows."""
-    _check_pool(pool, q, v, gate["state_v_first"])
+    _check_pool(pool, q, v, g, gate["state_v_first"])
     packed = cu_seqlens is not None
     if packed:
-        groups, total = _decode_groups(q, k, v, g, beta, cu_seqlens, pool.shape[0], indices, num_accepted_tokens)
+        groups, total = _decode_groups(q, k, v, g, beta, cu_seqlens, pool.shape[0], indices, num_accepted_tokens,
+                                       writes=False)
         if not groups:  # no sequence has tokens: nothing to read; every token's o and state is 0
             o = torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
             return o, torch.zeros((total,) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
@@ -1034,7 +1036,7 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
                cu_seqlens=None):
     """Decode against a state pool (libkda::decode, kda::decode): updates ``state_pool`` in place
-    and returns o in q's layout (``[N, T, HV, V]``, or ``[1, N * T, HV, V]`` with ``cu_seqlens``).
+    and returns o in q's layout (``[N, T, HV, V]``, or ``[1, total, HV, V]`` with ``cu_seqlens``).
     See ``fused_recurrent_kda_fwd`` for the index contract. Not differentiable."""
     _check_tensors(("ssm_state_indices", "num_accepted_tokens", "cu_seqlens"), q=q, k=k, v=v, g=g, beta=beta,
                    state_pool=state_pool, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
@@ -1044,9 +1046,9 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     packed = cu_seqlens is not None
     if packed:
         groups, total = _decode_groups(q, k, v, g, beta, cu_seqlens, state_pool.shape[0], ssm_state_indices,
-                                       num_accepted_tokens)
+                                       num_accepted_tokens, writes=True)
         if not groups:  # no sequence has tokens: the pool untouched, o = 0
-            _check_pool(state_pool, q, v, state_v_first)
+            _check_pool(state_pool, q, v, g, state_v_first)
             return torch.zeros((1, total) + tuple(v.shape[2:]), dtype=q.dtype, device=q.device)
         if groups[0][3] is not None:  # several lengths: a call per group (their write slots are disjoint)
             opts = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

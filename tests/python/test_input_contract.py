@@ -270,3 +270,34 @@ def test_out_of_place_decode_checks_the_pool_it_only_copies_from(packed):
             kt.fused_recurrent_kda_fwd(*part, initial_state=pool.double(), **kw)
         with pytest.raises(ValueError, match=r"'state_pool'.*\[slots, 2, 16, 8\], got \[5, 2, 16, 3\]"):
             kt.fused_recurrent_kda_fwd(*part, initial_state=pool[..., :3], **kw)
+
+
+def test_out_of_place_ragged_rows_may_share_a_read_slot():
+    """Out of place the pool is only read, so sequences may start from the same slot (FLA accepts
+    it, as libkda's equal-length path does); with different lengths too, each row's o and states
+    then equal those of its own call bit for bit, and the pool stays untouched."""
+    q, k, v, g, beta, pool = _decode_inputs(T=3)
+    packed = [x.flatten(0, 1)[None] for x in (q, k, v, g, beta)]  # 9 tokens
+    cu, idx = torch.tensor([0, 2, 5, 9]), torch.tensor([1, 1, 1])
+    before = pool.clone()
+    kw = dict(inplace_final_state=False, output_final_state=True)
+    o, states = kt.fused_recurrent_kda_fwd(*packed, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx, **kw)
+    assert torch.equal(pool, before)
+    for n in range(3):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_n, st_n = kt.fused_recurrent_kda_fwd(*(x[:, s:e] for x in packed), initial_state=pool,
+                                               cu_seqlens=torch.tensor([0, e - s]), ssm_state_indices=idx[n:n + 1],
+                                               **kw)
+        assert torch.equal(o[:, s:e], o_n) and torch.equal(states[s:e], st_n), f"row {n}"
+
+
+def test_out_of_place_decode_blames_inconsistent_tokens_not_the_pool():
+    """The pool's expected shape comes from the tokens; when they disagree among themselves (v with
+    another head count than g), the error names a token argument, as the in-place decode does."""
+    q, k, v, g, beta, pool = _decode_inputs()
+    for inplace in (True, False):
+        with pytest.raises(ValueError, match=r"argument '(v|g|beta)'") as info:
+            kt.fused_recurrent_kda_fwd(q, k, v.repeat(1, 1, 2, 1), g, beta, initial_state=pool,
+                                       ssm_state_indices=torch.arange(N), inplace_final_state=inplace,
+                                       output_final_state=True)
+        assert "state_pool" not in str(info.value)
