@@ -23,9 +23,8 @@ each was read at:
   chunk_kda takes the state pool with ``initial_state_indices`` and updates it in place; FLA's
   and libkda's take per-sequence initial states, so the pool rows are gathered and the final
   states scattered back here (docs/PYTHON.md, Limitations: the pooled forward is not exposed in
-  libkda.torch). SGLang's pools in these tests are bf16; libkda's in-place decode takes a
-  float32 pool (docs/PYTHON.md, Decode), so the ports use float32 pools and
-  test_bf16_pool_is_refused_before_anything_is_written asserts the documented refusal.
+  libkda.torch). SGLang's pools in these tests are bf16: the decode ports run bf16 pools (as
+  SGLang does) and float32 ones.
 - vllm-project/vllm tests/kernels/attention/test_flydsl_kda_decode.py
   @ff7b1ccb30ce433219bd73078959d6aae63c999a (Kimi-Linear's per-TP head counts 16 / 8 / 4, [bs, 1]
   int64 slot indices without num_accepted_tokens, the gate computed in kernel against the one from
@@ -303,7 +302,7 @@ def test_sglang_chunk_prefill_matches_natural_exp_recurrence(lengths, use_varlen
 # production-shape test), a V-first pool, int32 slots and cu_seqlens, o into an [B, 1, HV, V]
 # ``out`` buffer; against the float64 recurrence at SGLang's atol 2e-2 / rtol 1e-2. test_pad_slot:
 # every other request padded (slot -1): o exactly 0 there and those slots untouched.
-def _packed_decode(B, H, HV, K, V, pad=False, seed=42):
+def _packed_decode(B, H, HV, K, V, pad=False, seed=42, pool_dtype=torch.bfloat16):
     torch.manual_seed(seed)
     qkv_dim = 2 * H * K + HV * V
     mixed_qkv = torch.randn(B, qkv_dim, dtype=torch.bfloat16) * 0.1
@@ -311,7 +310,7 @@ def _packed_decode(B, H, HV, K, V, pad=False, seed=42):
     b = torch.randn(B, HV, dtype=torch.bfloat16) * 0.5
     A_log = torch.randn(HV) * 0.2
     dt_bias = torch.randn(HV * K) * 0.1
-    pool = torch.randn(B + 4, HV, V, K) * 0.01  # bf16 in SGLang: see the docstring
+    pool = (torch.randn(B + 4, HV, V, K) * 0.01).to(pool_dtype)
     cache_indices = torch.arange(B, dtype=torch.int32)
     if pad:
         cache_indices[::2] = -1
@@ -342,22 +341,25 @@ def _packed_decode(B, H, HV, K, V, pad=False, seed=42):
     assert torch.equal(pool[untouched], before[untouched]), "a slot no request writes changed"
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16_pool", "fp32_pool"])
 @pytest.mark.parametrize("B,H,HV", [(1, 16, 16), (4, 16, 16), (32, 16, 16), (8, 8, 16)],
                          ids=["b1", "b4", "b32", "asymmetric_heads"])
-def test_sglang_packed_decode(B, H, HV):
-    _packed_decode(B, H, HV, 128, 128)
+def test_sglang_packed_decode(B, H, HV, pool_dtype):
+    _packed_decode(B, H, HV, 128, 128, pool_dtype=pool_dtype)
 
 
-def test_sglang_packed_decode_pad_slot():
-    _packed_decode(8, 16, 16, 128, 128, pad=True)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16_pool", "fp32_pool"])
+def test_sglang_packed_decode_pad_slot(pool_dtype):
+    _packed_decode(8, 16, 16, 128, 128, pad=True, pool_dtype=pool_dtype)
 
 
 # ------------------------------------------------------------------------------------------
 # SGLang test_kda_decode_flashinfer.py test_kda_decode_cake_matches_triton_kimi_k3_h12: Kimi-K3's
 # TP8-local H = 12 safe-gate (lower_bound = -5) decode, q / k / v gapped views of one fused
 # conv output, random non-identity pool rows; SGLang's atol = rtol = 1e-2 for o and the states.
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16_pool", "fp32_pool"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_sglang_kimi_k3_h12_safe_gate_decode(batch):
+def test_sglang_kimi_k3_h12_safe_gate_decode(batch, pool_dtype):
     torch.manual_seed(12000 + batch)
     H = HV = 12
     K = V = 128
@@ -370,7 +372,7 @@ def test_sglang_kimi_k3_h12_safe_gate_decode(batch):
     b = torch.randn(batch, HV, dtype=torch.bfloat16) * 0.5
     A_log = torch.randn(H) * 0.2
     dt_bias = torch.randn(H * K) * 0.1
-    pool = torch.randn(pool_size, HV, V, K) * 0.01
+    pool = (torch.randn(pool_size, HV, V, K) * 0.01).to(pool_dtype)
     slots = torch.randperm(pool_size)[:batch].to(torch.int32)
     before = pool.clone()
     o, _ = kt.fused_recurrent_kda_fwd(q, k, v, a.view(1, batch, HV, K), b.unsqueeze(0), A_log=A_log, dt_bias=dt_bias,
