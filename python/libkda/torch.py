@@ -778,6 +778,13 @@ def fused_recurrent_kda_fwd(
     return o, initial_state
 
 
+def _check_slot_range(indices, slots):
+    """Slot indices below `slots` (negative ones are padding), as kda::decode requires."""
+    if indices.numel() and int(indices.max()) >= slots:
+        raise ValueError(f"kda: argument 'ssm_state_indices': expected indices < slots = {slots} (negative = "
+                         f"padding), got {int(indices.max())}")
+
+
 def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
     """kda::decode's index contract, for the out-of-place path that does not call it: int indices
     [N] or [N, T] below `slots` (negative: padding), num_accepted_tokens [N] in [1, T] and only
@@ -788,9 +795,7 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
     if tuple(indices.shape) not in ((n,), (n, t)):
         raise ValueError(f"kda: argument '{name}': expected shape [N] = [{n}] or [N, T] = [{n}, {t}], got "
                          f"{list(indices.shape)}")
-    if indices.numel() and int(indices.max()) >= slots:
-        bad = int(indices.max())
-        raise ValueError(f"kda: argument '{name}': expected indices < slots = {slots} (negative = padding), got {bad}")
+    _check_slot_range(indices, slots)
     if num_accepted_tokens is None:
         return
     if indices.dim() != 2:
@@ -847,10 +852,8 @@ def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots, writes):
         raise ValueError(f"kda: argument '{name}': expected an int32 or int64 tensor of shape [N] = [{n}] or "
                          f"[N, T] = [{n}, {tmax}] (T: the longest sequence of cu_seqlens), got {indices.dtype} of "
                          f"shape {list(indices.shape)}")
+    _check_slot_range(indices, slots)
     idx = indices.to(torch.int64).cpu()
-    if idx.numel() and int(idx.max()) >= slots:
-        raise ValueError(f"kda: argument '{name}': expected indices < slots = {slots} (negative = padding), got "
-                         f"{int(idx.max())}")
     per_token = idx.dim() == 2
     acc = None
     if num_accepted_tokens is not None:
@@ -938,9 +941,7 @@ def _rows_with_tokens(keep, n, slots, indices, num_accepted_tokens):
         raise ValueError(f"kda: argument 'ssm_state_indices': expected an int32 or int64 tensor of shape [N] or "
                          f"[N, T] with N = {n} (the sequences of cu_seqlens), got {indices.dtype} of shape "
                          f"{list(indices.shape)}")
-    if indices.numel() and int(indices.max()) >= slots:
-        raise ValueError(f"kda: argument 'ssm_state_indices': expected indices < slots = {slots} (negative = "
-                         f"padding), got {int(indices.max())}")
+    _check_slot_range(indices, slots)
     if num_accepted_tokens is not None and (num_accepted_tokens.dim() != 1 or num_accepted_tokens.shape[0] != n):
         raise ValueError(f"kda: argument 'num_accepted_tokens': expected shape [N] = [{n}], got "
                          f"{list(num_accepted_tokens.shape)}")
