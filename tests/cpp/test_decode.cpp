@@ -144,8 +144,9 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
 // A step that leaves the state as it was (k = 0, log decay 0: S <- 1 * S + 0) stores a narrow
 // pool back bit for bit, denormals included: the stores round to nearest even like
 // detail::f32_to_bf16 / f32_to_f16 (vcvtneps2bf16, which the bf16 V-first kernel uses where the
-// CPU has it, would flush the denormals to zero). Both layouts (K-first: the general path;
-// V-first: the converting kernel), every bit pattern of the low byte in the low elements.
+// CPU has it, would flush the denormals to zero). Both layouts (K-first with V = 40: the state
+// converted into fp32 scratch and back; V-first: the converting kernel), every bit pattern of the
+// low byte in the low elements.
 TEST(DecodeExact, NarrowPoolsKeepTheirBitsWhenTheStateIsUnchanged) {
   for (const DType pool_dtype : {DType::kBF16, DType::kF16})
     for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
@@ -169,6 +170,41 @@ TEST(DecodeExact, NarrowPoolsKeepTheirBitsWhenTheStateIsUnchanged) {
         ASSERT_EQ(bits[i], before[i]) << (pool_dtype == DType::kBF16 ? "bf16" : "fp16") << " pool, "
                                       << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i;
     }
+}
+
+// Where a narrow pool runs the fp32 pool's own kernels (one token in place: the converting
+// kernels; draft tokens written back after the last: the fp32 group kernels on the state
+// converted into scratch), both layouts, rows of whole vectors: o is the fp32 pool's bit for bit,
+// and every pool element is the fp32 pool's state rounded to nearest even. Row 1 is padding.
+TEST(DecodeExact, NarrowPoolsGiveTheFp32PoolsStateRounded) {
+  for (const DType pool_dtype : {DType::kBF16, DType::kF16})
+    for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst})
+      for (const std::int64_t T : {1, 3, 6}) {
+        DecodeCase dc;
+        dc.c.B = 3, dc.c.T = T, dc.c.H = 2, dc.c.HV = 2, dc.c.K = 64, dc.c.V = 48;
+        dc.c.gate = Gate::kSoftplus, dc.c.layout = layout;
+        dc.pool_dtype = pool_dtype;
+        dc.slots = 5;
+        dc.idx = {4, -1, 1};
+        DecodeData narrow = make_decode_data(dc);
+        DecodeCase wide_case = dc;
+        wide_case.pool_dtype = DType::kF32;
+        DecodeData wide = make_decode_data(wide_case);
+        for (std::int64_t i = 0; i < narrow.pool.numel(); ++i) wide.pool.set(i, narrow.pool.get(i));
+        HostTensor o_narrow(DType::kF32, {3, T, 2, 48}), o_wide(DType::kF32, {3, T, 2, 48}), idx, acc;
+        const std::string what = std::string(pool_dtype == DType::kBF16 ? "bf16" : "fp16") + " pool, " +
+                                 (layout == StateLayout::kKFirst ? "K-first" : "V-first") + ", T = " + std::to_string(T);
+        ASSERT_TRUE(decode(make_decode_params(dc, narrow, o_narrow, idx, acc)).ok()) << what;
+        ASSERT_TRUE(decode(make_decode_params(wide_case, wide, o_wide, idx, acc)).ok()) << what;
+        for (std::int64_t i = 0; i < o_wide.numel(); ++i)
+          ASSERT_EQ(o_narrow.get(i), o_wide.get(i)) << what << ", o element " << i;
+        HostTensor rounded(pool_dtype, {1});
+        for (std::int64_t i = 0; i < wide.pool.numel(); ++i) {
+          rounded.set(0, wide.pool.get(i));
+          ASSERT_EQ(narrow.pool.get(i), rounded.get(0)) << what << ", pool element " << i << " (fp32 pool "
+                                                        << wide.pool.get(i) << ")";
+        }
+      }
 }
 
 // No tokens (T = 0), with [N] or [N, 0] slot indices: a valid call that reads and writes nothing.
