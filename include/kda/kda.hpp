@@ -12,7 +12,8 @@ namespace kda {
 // Library version, "MAJOR.MINOR.PATCH".
 const char* version();
 // The CPU kernel target chosen at run time: "avx512" or "generic".
-// The environment variable KDA_CPU_TARGET forces a lower one (for tests).
+// The environment variable KDA_CPU_TARGET=generic forces the portable one (for tests); a value other
+// than generic or avx512 makes every kernel call fail with a message naming it.
 const char* cpu_target();
 
 }  // namespace kda

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "core/problem.hpp"
@@ -25,23 +26,57 @@ namespace {
 
 enum class CpuTarget { kGeneric, kAvx512 };
 
-CpuTarget detect_target() {
-  const char* forced = std::getenv("KDA_CPU_TARGET");
-  if (forced != nullptr && std::strcmp(forced, "generic") == 0) return CpuTarget::kGeneric;
+struct TargetChoice {
+  CpuTarget target = CpuTarget::kGeneric;
+  std::string error;  // KDA_CPU_TARGET names no target: every kernel call fails with this
+};
+
+// The best target this CPU runs, or the one KDA_CPU_TARGET names (tests run the suite on the
+// portable kernels): "generic", or "avx512" (the best the CPU runs). Any other value is an error
+// of every kernel call rather than a silent default.
+TargetChoice choose_target() {
+  TargetChoice c;
 #if defined(KDA_HAVE_AVX512_TARGET)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    return CpuTarget::kAvx512;
+    c.target = CpuTarget::kAvx512;
   }
 #endif
-  return CpuTarget::kGeneric;
+  const char* forced = std::getenv("KDA_CPU_TARGET");
+  if (forced == nullptr || *forced == '\0' || std::strcmp(forced, "avx512") == 0) return c;
+  if (std::strcmp(forced, "generic") == 0) {
+    c.target = CpuTarget::kGeneric;
+  } else {
+    c.error = std::string("environment variable KDA_CPU_TARGET: expected generic or avx512, got '") + forced + "'";
+  }
+  return c;
+}
+
+const TargetChoice& choice() {
+  static const TargetChoice c = choose_target();
+  return c;
 }
 
 CpuTarget target() {
-  static const CpuTarget t = detect_target();
-  return t;
+  return choice().target;
 }
+
+// Calls the kernel entry `fn` (forward, backward or decode) of the chosen target's namespace.
+#if defined(KDA_HAVE_AVX512_TARGET)
+#define KDA_ON_CPU_TARGET(fn, ...)                                                            \
+  do {                                                                                        \
+    if (!choice().error.empty()) return Status::error(choice().error);                        \
+    if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__);                  \
+    return cpu::generic::fn(__VA_ARGS__);                                                     \
+  } while (0)
+#else
+#define KDA_ON_CPU_TARGET(fn, ...)                                       \
+  do {                                                                   \
+    if (!choice().error.empty()) return Status::error(choice().error);   \
+    return cpu::generic::fn(__VA_ARGS__);                                \
+  } while (0)
+#endif
 
 }  // namespace
 
@@ -63,20 +98,14 @@ Status chunk_forward(const ForwardParams& params) {
   KDA_RETURN_IF_ERROR(detail::plan_forward(params, /*oracle=*/false, &p));
   PlanStorage st;
   build_plan(p, st);
-#if defined(KDA_HAVE_AVX512_TARGET)
-  if (target() == CpuTarget::kAvx512) return cpu::avx512::forward(p, params, st.plan);
-#endif
-  return cpu::generic::forward(p, params, st.plan);
+  KDA_ON_CPU_TARGET(forward, p, params, st.plan);
 }
 
 Status decode(const DecodeParams& params) {
   KDA_ROUTE_TO_CUDA(params, decode(params));
   detail::Problem p;
   KDA_RETURN_IF_ERROR(detail::plan_decode(params, &p));
-#if defined(KDA_HAVE_AVX512_TARGET)
-  if (target() == CpuTarget::kAvx512) return cpu::avx512::decode(p, params);
-#endif
-  return cpu::generic::decode(p, params);
+  KDA_ON_CPU_TARGET(decode, p, params);
 }
 
 Status validate_backward(const BackwardParams& params) {
@@ -91,10 +120,7 @@ Status chunk_backward(const BackwardParams& params) {
   KDA_RETURN_IF_ERROR(detail::plan_backward(params, /*oracle=*/false, &p));
   PlanStorage st;
   build_plan(p, st);
-#if defined(KDA_HAVE_AVX512_TARGET)
-  if (target() == CpuTarget::kAvx512) return cpu::avx512::backward(p, params, st.plan);
-#endif
-  return cpu::generic::backward(p, params, st.plan);
+  KDA_ON_CPU_TARGET(backward, p, params, st.plan);
 }
 
 void build_plan(const detail::Problem& p, PlanStorage& st) {

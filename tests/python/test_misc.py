@@ -14,7 +14,7 @@ def test_version():
 
 
 def test_cpu_target():
-    assert libkda.cpu_target() in ("avx512", "avx2", "generic")
+    assert libkda.cpu_target() in ("avx512", "generic")
 
 
 def test_memory_stats(rng):
@@ -48,6 +48,24 @@ def test_generic_target_subprocess():
     env = dict(os.environ, KDA_CPU_TARGET="generic")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_unknown_cpu_target_is_an_error_of_every_call():
+    # A KDA_CPU_TARGET naming no target is not silently ignored: each kernel call raises, naming it.
+    code = textwrap.dedent("""
+        import numpy as np, libkda
+        x = [np.zeros((1, 4, 1, 8), np.float32) for _ in range(4)] + [np.zeros((1, 4, 1), np.float32)]
+        try:
+            libkda.chunk_kda(*x)
+        except ValueError as e:
+            print(e)
+        else:
+            raise SystemExit("no error")
+    """)
+    env = dict(os.environ, KDA_CPU_TARGET="avx9000")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "KDA_CPU_TARGET" in res.stdout and "avx9000" in res.stdout, res.stdout
 
 
 def test_concurrent_calls_release_the_gil(rng):
