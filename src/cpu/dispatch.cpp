@@ -64,17 +64,17 @@ CpuTarget target() {
 
 // Calls the kernel entry `fn` (forward, backward or decode) of the chosen target's namespace.
 #if defined(KDA_HAVE_AVX512_TARGET)
-#define KDA_ON_CPU_TARGET(fn, ...)                                                            \
-  do {                                                                                        \
-    if (!choice().error.empty()) return Status::error(choice().error);                        \
-    if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__);                  \
-    return cpu::generic::fn(__VA_ARGS__);                                                     \
+#define KDA_ON_CPU_TARGET(fn, ...)                                           \
+  do {                                                                       \
+    if (!choice().error.empty()) return Status::error(choice().error);       \
+    if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__); \
+    return cpu::generic::fn(__VA_ARGS__);                                    \
   } while (0)
 #else
-#define KDA_ON_CPU_TARGET(fn, ...)                                       \
-  do {                                                                   \
-    if (!choice().error.empty()) return Status::error(choice().error);   \
-    return cpu::generic::fn(__VA_ARGS__);                                \
+#define KDA_ON_CPU_TARGET(fn, ...)                                     \
+  do {                                                                 \
+    if (!choice().error.empty()) return Status::error(choice().error); \
+    return cpu::generic::fn(__VA_ARGS__);                              \
   } while (0)
 #endif
 

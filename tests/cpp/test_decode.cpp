@@ -193,7 +193,8 @@ TEST(DecodeExact, NarrowPoolsGiveTheFp32PoolsStateRounded) {
         for (std::int64_t i = 0; i < narrow.pool.numel(); ++i) wide.pool.set(i, narrow.pool.get(i));
         HostTensor o_narrow(DType::kF32, {3, T, 2, 48}), o_wide(DType::kF32, {3, T, 2, 48}), idx, acc;
         const std::string what = std::string(pool_dtype == DType::kBF16 ? "bf16" : "fp16") + " pool, " +
-                                 (layout == StateLayout::kKFirst ? "K-first" : "V-first") + ", T = " + std::to_string(T);
+                                 (layout == StateLayout::kKFirst ? "K-first" : "V-first") +
+                                 ", T = " + std::to_string(T);
         ASSERT_TRUE(decode(make_decode_params(dc, narrow, o_narrow, idx, acc)).ok()) << what;
         ASSERT_TRUE(decode(make_decode_params(wide_case, wide, o_wide, idx, acc)).ok()) << what;
         for (std::int64_t i = 0; i < o_wide.numel(); ++i)
@@ -201,8 +202,8 @@ TEST(DecodeExact, NarrowPoolsGiveTheFp32PoolsStateRounded) {
         HostTensor rounded(pool_dtype, {1});
         for (std::int64_t i = 0; i < wide.pool.numel(); ++i) {
           rounded.set(0, wide.pool.get(i));
-          ASSERT_EQ(narrow.pool.get(i), rounded.get(0)) << what << ", pool element " << i << " (fp32 pool "
-                                                        << wide.pool.get(i) << ")";
+          ASSERT_EQ(narrow.pool.get(i), rounded.get(0))
+              << what << ", pool element " << i << " (fp32 pool " << wide.pool.get(i) << ")";
         }
       }
 }
