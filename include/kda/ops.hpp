@@ -95,6 +95,7 @@ Status reference_backward(const BackwardParams& params);
 //          given) and writes the state after token t to slot_indices[n, t] (skipped when < 0),
 //          so rejected draft tokens can be rolled back.
 //     A negative read slot makes row n padding: o rows are 0 and the pool is not touched.
+//     [N, T'] with T' > T (vLLM's index capacity) uses the first T columns; all are range-checked.
 //   num_accepted_tokens [N] int32/int64, values in [1, T]; only with [N, T] indices.
 // Errors (nothing written to o or the pool): a slot index >= slots; two rows writing the same
 // slot; num_accepted_tokens out of [1, T].

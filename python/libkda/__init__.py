@@ -454,6 +454,7 @@ def kda_decode(q, k, v, g, beta, state_pool, slot_indices, *, num_accepted_token
                 not given), and writes the state after token t to slot_indices[n, t] (skipped
                 when negative), so rejected draft tokens can be rolled back.
     A negative read slot makes row n padding: its o rows are 0 and the pool is not touched.
+    [N, T'] with T' > T uses the first T columns (every column range-checked).
     num_accepted_tokens [N] int32/int64, values in [1, T], only with [N, T] indices.
     Errors (ValueError with the library's message, nothing written to the pool): a slot index
     >= slots, two rows writing the same slot, num_accepted_tokens out of range, bad shapes.

@@ -715,7 +715,9 @@ def fused_recurrent_kda_fwd(
     ``cu_seqlens`` (sequences of no tokens anywhere decode nothing, and tokens after
     ``cu_seqlens[-1]`` get o = 0, as vLLM pads a batch for its CUDA graphs; sequences of different
     lengths run a decode call per length, ``[N, T]`` indices then with T the longest sequence's
-    tokens, every index of the batch checked before the first call writes).
+    tokens, every index of the batch checked before the first call writes). ``[N, T']`` indices
+    with T' above the tokens per sequence (vLLM's ``[N, num_spec + 1]`` capacity) use their first
+    columns, as FLA's kernel reads them; every column is range-checked.
 
     Without ``ssm_state_indices`` this is ``fused_recurrent_kda``; with ``inplace_final_state=True``
     and an ``initial_state`` ``[N, HV, K, V]``, as in FLA, sequence n's final state is written back
@@ -792,9 +794,9 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
     name = "ssm_state_indices"
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kda: argument '{name}': expected dtype int32 or int64, got {indices.dtype}")
-    if tuple(indices.shape) not in ((n,), (n, t)):
-        raise ValueError(f"kda: argument '{name}': expected shape [N] = [{n}] or [N, T] = [{n}, {t}], got "
-                         f"{list(indices.shape)}")
+    if not (tuple(indices.shape) == (n,) or (indices.dim() == 2 and indices.shape[0] == n and indices.shape[1] >= t)):
+        raise ValueError(f"kda: argument '{name}': expected shape [N] = [{n}] or [N, T'] = [{n}, >= {t}] (T = {t} "
+                         f"tokens; the first T columns are used), got {list(indices.shape)}")
     _check_slot_range(indices, slots)
     if num_accepted_tokens is None:
         return
@@ -841,17 +843,18 @@ def _packed_lengths(q, cu_seqlens, **others):
 def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots, writes):
     """The whole batch's slot indices when sequences of different lengths run as separate groups
     (_decode_groups), checked before any group writes: int32 / int64, [N] or [N, T] with T the
-    longest sequence's tokens (row n uses its first lengths[n] entries, as FLA's kernel does),
+    longest sequence's tokens or more (row n uses its first lengths[n] entries, as FLA's kernel does),
     below `slots`; num_accepted_tokens [N], only with [N, T], within [1, lengths[n]] for every row
     with tokens; and, when the call `writes` the pool (in place), each slot written by one row
     (kda::decode's rule, which a group alone would only apply to its own rows; out of place the
     pool is only read, and rows may share a slot)."""
     name = "ssm_state_indices"
     n, tmax = lengths.numel(), int(lengths.max())
-    if indices.dtype not in (torch.int32, torch.int64) or tuple(indices.shape) not in ((n,), (n, tmax)):
+    if indices.dtype not in (torch.int32, torch.int64) or not (
+            tuple(indices.shape) == (n,) or (indices.dim() == 2 and indices.shape[0] == n and indices.shape[1] >= tmax)):
         raise ValueError(f"kda: argument '{name}': expected an int32 or int64 tensor of shape [N] = [{n}] or "
-                         f"[N, T] = [{n}, {tmax}] (T: the longest sequence of cu_seqlens), got {indices.dtype} of "
-                         f"shape {list(indices.shape)}")
+                         f"[N, T'] = [{n}, >= {tmax}] (T' at least the longest sequence of cu_seqlens), got "
+                         f"{indices.dtype} of shape {list(indices.shape)}")
     _check_slot_range(indices, slots)
     idx = indices.to(torch.int64).cpu()
     per_token = idx.dim() == 2

@@ -575,10 +575,14 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
     return fail("argument 'slot_indices': expected dtype int32 or int64, got ", dtype_name(idx.dtype));
   }
   const bool per_token = idx.ndim == 2;
-  if (!((idx.ndim == 1 && idx.shape[0] == p.B) || (idx.ndim == 2 && idx.shape[0] == p.B && idx.shape[1] == p.T))) {
-    return fail("argument 'slot_indices': expected shape [N] = [", p.B, "] or [N, T] = [", p.B, ", ", p.T, "], got ",
-                idx.shape_str());
+  // [N, T'] with T' > T: the first T columns are used, as FLA's and vLLM's kernels read each row
+  // of the index tensor through its stride (vLLM keeps [N, num_spec + 1] of capacity). Every
+  // column is range-checked; only the used ones read or write.
+  if (!((idx.ndim == 1 && idx.shape[0] == p.B) || (idx.ndim == 2 && idx.shape[0] == p.B && idx.shape[1] >= p.T))) {
+    return fail("argument 'slot_indices': expected shape [N] = [", p.B, "] or [N, T'] = [", p.B, ", >= ", p.T,
+                "] (T = ", p.T, " tokens), got ", idx.shape_str());
   }
+  const std::int64_t idx_columns = per_token ? idx.shape[1] : 1;
   auto index_at = [&](std::int64_t n, std::int64_t t) -> std::int64_t {
     const std::int64_t off = n * idx.strides[0] + (per_token ? t * idx.strides[1] : 0);
     return idx.dtype == DType::kI64 ? static_cast<const std::int64_t*>(idx.data)[off]
@@ -608,7 +612,7 @@ Status plan_decode(const DecodeParams& prm, Problem* problem) {
       }
       first = a_n - 1;
     }
-    for (std::int64_t t = 0; t < (per_token ? p.T : 1); ++t) {
+    for (std::int64_t t = 0; t < idx_columns; ++t) {
       const std::int64_t s = index_at(n, t);
       if (s >= slots) {
         return fail("argument 'slot_indices': expected indices < slots = ", slots, " (negative = padding), got ", s,

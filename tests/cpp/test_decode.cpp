@@ -208,6 +208,48 @@ TEST(DecodeExact, NarrowPoolsGiveTheFp32PoolsStateRounded) {
       }
 }
 
+// [N, T'] slot indices with T' > T (vLLM's [N, num_spec + 1] capacity): the first T columns are
+// used, so o and the pool are bit for bit those of the [N, T] call; the extra columns are
+// range-checked (an out-of-range one is refused with the pool untouched), and T' < T is refused.
+TEST(DecodeExact, WiderSlotIndicesUseTheirFirstTColumns) {
+  for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
+    DecodeCase dc;
+    dc.c.B = 3, dc.c.T = 3, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 32, dc.c.V = 16, dc.c.layout = layout;
+    dc.slots = 12;
+    dc.idx = {4, 5, 6, -1, -1, -1, 9, -1, 2};
+    dc.accepted = {2, 1, 3};
+    DecodeData exact = make_decode_data(dc), wide = make_decode_data(dc);
+    HostTensor o_exact(DType::kF32, {3, 3, 2, 16}), o_wide(DType::kF32, {3, 3, 2, 16}), idx, acc, idx_wide, acc_w;
+    ASSERT_TRUE(decode(make_decode_params(dc, exact, o_exact, idx, acc)).ok());
+    DecodeParams p = make_decode_params(dc, wide, o_wide, idx_wide, acc_w);
+    for (const std::int64_t extra : {11, 12}) {  // 11 is a valid slot and ignored; 12 is out of range
+      HostTensor wider(DType::kI64, {3, 5});
+      for (std::int64_t n = 0; n < 3; ++n)
+        for (std::int64_t t = 0; t < 5; ++t) wider.set(n * 5 + t, t < 3 ? dc.idx[n * 3 + t] : (t == 3 ? -1 : extra));
+      p.slot_indices = wider.view;
+      const std::vector<double> before = wide.pool.to_double();
+      const Status s = decode(p);
+      if (extra == 12) {
+        ASSERT_FALSE(s.ok());
+        EXPECT_NE(s.message().find("< slots = 12"), std::string::npos) << s.message();
+        ASSERT_EQ(wide.pool.to_double(), before) << "pool written by a refused call";
+        continue;
+      }
+      ASSERT_TRUE(s.ok()) << s.message();
+    }
+    for (std::int64_t i = 0; i < o_exact.numel(); ++i) ASSERT_EQ(o_wide.get(i), o_exact.get(i)) << "o element " << i;
+    for (std::int64_t i = 0; i < exact.pool.numel(); ++i)
+      ASSERT_EQ(wide.pool.get(i), exact.pool.get(i)) << "pool element " << i;
+    HostTensor narrower(DType::kI64, {3, 2});
+    narrower.fill(0.0);
+    p.slot_indices = narrower.view;
+    const Status s = decode(p);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("'slot_indices'"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("[3, 2]"), std::string::npos) << s.message();
+  }
+}
+
 // No tokens (T = 0), with [N] or [N, 0] slot indices: a valid call that reads and writes nothing.
 TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
   for (const bool per_token : {false, true}) {

@@ -378,6 +378,40 @@ def test_decode_speculative_and_packed():
     assert torch.equal(o_r, torch.cat(parts, 1)) and torch.equal(ragged_pool, split_pool)
 
 
+@pytest.mark.parametrize("layout", ["unpacked", "packed", "ragged", "out_of_place"])
+def test_decode_wider_index_tensors_use_their_first_columns(layout):
+    """[N, T'] ssm_state_indices with T' above the tokens per sequence (vLLM keeps [N, num_spec + 1]
+    whatever the step's tokens; FLA's kernel reads each row through its stride): the first columns
+    are used, so o and the pool are bitwise the exact-width call's; a narrower tensor is refused
+    with the pool untouched."""
+    q, k, v, g, beta, pool = _decode_inputs(12, N=2, T=3, slots=10)
+    idx = torch.tensor([[1, 2, 3], [4, 5, -1]])
+    acc = torch.tensor([2, 3])
+    wide = torch.cat([idx, torch.tensor([[-1, 9], [0, -1]])], 1)  # two extra columns, ignored
+    kw = dict(state_v_first=True)
+    if layout == "unpacked":
+        tokens, kw = (q, k, v, g, beta), dict(kw, num_accepted_tokens=acc)
+    elif layout in ("packed", "out_of_place"):
+        tokens = tuple(x.reshape(1, 6, *x.shape[2:]) for x in (q, k, v, g, beta))
+        kw = dict(kw, num_accepted_tokens=acc, cu_seqlens=torch.tensor([0, 3, 6]))
+    else:  # rows of 2 and 4 tokens: [N, T'] with T' = 5 > 4
+        tokens = tuple(x.reshape(1, 6, *x.shape[2:]) for x in (q, k, v, g, beta))
+        idx = torch.tensor([[1, 2, -1, -1], [4, 5, 6, 7]])
+        wide = torch.cat([idx, torch.tensor([[9], [-1]])], 1)
+        kw = dict(kw, num_accepted_tokens=torch.tensor([1, 2]), cu_seqlens=torch.tensor([0, 2, 6]))
+    if layout == "out_of_place":
+        kw = dict(kw, inplace_final_state=False, output_final_state=True)
+    exact_pool, wide_pool = pool.clone(), pool.clone()
+    o_exact, s_exact = kt.fused_recurrent_kda_fwd(*tokens, initial_state=exact_pool, ssm_state_indices=idx, **kw)
+    o_wide, s_wide = kt.fused_recurrent_kda_fwd(*tokens, initial_state=wide_pool, ssm_state_indices=wide, **kw)
+    assert torch.equal(o_wide, o_exact) and torch.equal(wide_pool, exact_pool) and torch.equal(s_wide, s_exact)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"'(ssm_state|slot)_indices'.*shape"):  # the op's or kda::decode's name
+        kt.fused_recurrent_kda_fwd(*tokens, initial_state=pool, ssm_state_indices=idx[:, :1].expand(2, 1).clone(),
+                                   **kw)
+    assert torch.equal(pool, before)
+
+
 def _opcheck(op, args):
     result = torch.library.opcheck(op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
