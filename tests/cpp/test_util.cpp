@@ -5,6 +5,17 @@
 namespace kda::test {
 namespace {
 
+// The compiler's own binary16 type, independent of the library's conversions (src/core/dtype.hpp):
+// _Float16 on x86-64; GCC 12 for Arm has it only in C, its __fp16 (IEEE format) converts in
+// hardware there.
+#if defined(__x86_64__) || defined(__i386__)
+using Half = _Float16;
+#elif defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+#error "tests/cpp/test_util.cpp: no binary16 type known for this target"
+#endif
+
 float bf16_round(double x) {
   float f = static_cast<float>(x);
   std::uint32_t u;
@@ -34,7 +45,7 @@ void HostTensor::set(std::int64_t i, double x) {
       break;
     }
     case DType::kF16: {
-      _Float16 h = static_cast<_Float16>(static_cast<float>(x));
+      Half h = static_cast<Half>(static_cast<float>(x));
       std::memcpy(static_cast<std::uint16_t*>(p) + i, &h, 2);
       break;
     }
@@ -61,7 +72,7 @@ double HostTensor::get(std::int64_t i) const {
       return f;
     }
     case DType::kF16: {
-      _Float16 h;
+      Half h;
       std::memcpy(&h, static_cast<const std::uint16_t*>(p) + i, 2);
       return static_cast<float>(h);
     }
@@ -103,6 +114,10 @@ Inputs make_inputs(const Case& c) {
     double x = normal(rng);
     if (c.extreme_gates) {
       in.g.set(i, uni(rng) < 0.5 ? -1000.0 : 0.0);
+    } else if (c.gate == Gate::kLogDecay && c.gate_center != 0.0) {
+      in.g.set(i, c.gate_center * (0.5 + uni(rng)));
+    } else if (c.gate != Gate::kLogDecay && c.gate_center != 0.0) {
+      in.g.set(i, x + c.gate_center);
     } else if (c.gate == Gate::kLogDecay) {
       in.g.set(i, -std::log1p(std::exp(-(x + 2.0))) * 0.5);  // logsigmoid(x + 2) / 2: long memory
     } else {

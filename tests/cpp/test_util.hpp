@@ -51,6 +51,10 @@ struct Case {
   std::uint32_t seed = 1;
   // Extreme gates (SPEC.md 2): g = -1000 on half the entries, 0 elsewhere (log-decay mode).
   bool extreme_gates = false;
+  // Strong decays (0: the default long-memory gates): log-decay mode draws g uniformly in
+  // [1.5, 0.5] x gate_center (< 0); the in-kernel gates take raw gates shifted by gate_center
+  // (> 0 saturates them at their lower bound).
+  double gate_center = 0.0;
 
   std::int64_t num_states() const {
     if (!cu_seqlens.empty()) return static_cast<std::int64_t>(cu_seqlens.size()) - 1;
@@ -63,6 +67,7 @@ struct Case {
        << " gate=" << gate_name(gate) << " l2norm=" << l2norm << " beta_sigmoid=" << beta_sigmoid
        << " neg_eig=" << neg_eigval << " h0=" << initial_state << " ht=" << final_state
        << " vfirst=" << (layout == StateLayout::kVFirst) << " C=" << chunk << " path=" << path_name(path);
+    if (gate_center != 0.0) os << " gate_center=" << gate_center;
     if (!cu_seqlens.empty()) {
       os << " cu_seqlens=[";
       for (auto c : cu_seqlens) os << c << ",";
