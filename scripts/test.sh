@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test: the C++ suite through ctest (both CPU targets) and the Python suite through
-# pytest after `pip install .`. With --sanitize, also the C++ suite under ASan + UBSan.
+# Runs every test: the C++ suite through ctest (both CPU targets), the C++ suite cross-built for
+# AArch64 under qemu (scripts/test_aarch64.sh) and the Python suite through pytest after
+# `pip install .`. With --sanitize, also the C++ suite under ASan + UBSan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
@@ -19,6 +20,8 @@ if [ "${1:-}" = "--sanitize" ]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan -j "$(nproc)"
 fi
+
+bash scripts/test_aarch64.sh
 
 echo "== Python: pip install . and pytest"
 bash scripts/install_python_package.sh

@@ -27,6 +27,8 @@
 #else
 #include <cmath>
 #include <cstring>
+
+#include "core/dtype.hpp"  // the host's binary16 conversions
 #define KDA_DI inline
 #define KDA_HDI inline
 #define KDA_BLOCK_FN
@@ -81,9 +83,7 @@ KDA_DI float f16_bits_to_f32(std::uint16_t b) {
 #if defined(__CUDACC__)
   return __half2float(__ushort_as_half(b));
 #else
-  _Float16 h;
-  std::memcpy(&h, &b, sizeof h);
-  return static_cast<float>(h);
+  return ::kda::detail::f16_to_f32(b);
 #endif
 }
 
@@ -91,10 +91,7 @@ KDA_DI std::uint16_t f32_to_f16_bits(float f) {
 #if defined(__CUDACC__)
   return __half_as_ushort(__float2half_rn(f));
 #else
-  const _Float16 h = static_cast<_Float16>(f);
-  std::uint16_t b;
-  std::memcpy(&b, &h, sizeof b);
-  return b;
+  return ::kda::detail::f32_to_f16(f);
 #endif
 }
 

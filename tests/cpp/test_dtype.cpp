@@ -63,8 +63,9 @@ TEST(Binary16, WideningIsExactForEveryValue) {
 // and the fp32 values either side of it), every binary16 value itself, the overflow threshold,
 // fp32 denormals, specials, and a million random bit patterns: rounded to nearest even alike.
 TEST(Binary16, NarrowingRoundsToNearestEvenAsTheCompilerDoes) {
-  std::vector<float> xs = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 65504.0f, 65519.99f, 65520.0f, 65536.0f,
-                           1e-45f, -1e-45f, 1.17549435e-38f, 5.96046448e-08f, 2.98023224e-08f, 2.98023242e-08f};
+  std::vector<float> xs = {0.0f,     -0.0f,           INFINITY,        -INFINITY,       NAN,
+                           65504.0f, 65519.99f,       65520.0f,        65536.0f,        1e-45f,
+                           -1e-45f,  1.17549435e-38f, 5.96046448e-08f, 2.98023224e-08f, 2.98023242e-08f};
   for (std::uint32_t h = 0; h < 0x7c00u; ++h) {  // the finite positive binary16 values and their neighbours
     const float a = widen_reference(static_cast<std::uint16_t>(h));
     const float b = widen_reference(static_cast<std::uint16_t>(h + 1));
