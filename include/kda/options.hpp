@@ -40,7 +40,8 @@ struct Options {
   // dot products with fp32 accumulation where the CPU has AVX512_BF16 (the precision FLA's
   // bf16 kernels run at; o and states stay within SPEC.md 4 bounds, docs/PERF.md). The block
   // that reads a given initial state (each sequence's first 16 tokens) keeps fp32 products
-  // (docs/ARCHITECTURE.md). false keeps every product in fp32.
+  // (docs/ARCHITECTURE.md); so do heads with K or V below 16, whose few state elements average
+  // none of the bf16 rounding away. false keeps every product in fp32.
   bool bf16_dot_products = true;
   // CUDA backend (docs/CUDA.md): the cudaStream_t its kernels are queued on (null: the legacy
   // default stream). The CPU backend ignores it.

@@ -113,6 +113,32 @@ TEST(Bf16Products, ArangeInitialStateMatchesOracle) {
   }
 }
 
+// Heads narrower than 16 in K or V keep fp32 state products (kMinBf16DotWidth): a state of a
+// few elements averages none of the bf16 operand rounding away, and with bf16 products the final
+// state missed SPEC.md's 5e-3 (K = V = 1: up to 2.4e-2). So for them the option changes nothing
+// (bitwise), and o and the final state meet the bf16 bounds, over 20 seeds each.
+TEST(Bf16Products, NarrowHeadsKeepFp32Products) {
+  for (const auto& [K, V] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {2, 2}, {3, 40}, {40, 8}})
+    for (std::uint32_t seed = 1; seed <= 20; ++seed) {
+      Case c;
+      c.T = 100, c.H = 2, c.HV = 2, c.K = K, c.V = V;
+      c.dtype = DType::kBF16;
+      c.final_state = true;
+      c.seed = seed;
+      const Inputs in = make_inputs(c);
+      Case fp32_products = c;
+      fp32_products.bf16_dot_products = false;
+      const Outputs got = run_forward(c, in, false), fp32 = run_forward(fp32_products, in, false);
+      const std::string what =
+          "K = " + std::to_string(K) + ", V = " + std::to_string(V) + ", seed " + std::to_string(seed);
+      expect_bitwise(got.o, fp32.o, what + ": o");
+      expect_bitwise(got.ht, fp32.ht, what + ": final state");
+      const Outputs want = run_forward(c, in, true);
+      const Metric mh = compare(got.ht, want.ht);
+      EXPECT_LE(mh.rel, forward_bound(c.dtype)) << what << " final state: " << mh.str();
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Forward, ShapeMatrix,
                          ::testing::Combine(::testing::ValuesIn(shapes()),
                                             ::testing::Values(Path::kFused, Path::kStaged)),
