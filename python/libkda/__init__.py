@@ -124,6 +124,9 @@ def _opt_float(name, x):
     (scale None = K^-0.5, lower_bound None = no lower bound), so a NaN must not pass for either."""
     if x is None:
         return None
+    # A real number (Python, numpy or a 0-d tensor), not a string that float() would parse.
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__float__"):
+        raise TypeError(f"kda: argument '{name}': expected a number or None, got {type(x).__name__} {x!r}")
     x = float(x)
     if math.isnan(x):
         raise ValueError(f"kda: argument '{name}': expected a number or None, got nan")

@@ -300,7 +300,7 @@ def _chunk_grads(saved, opts, do, dht, need):
     dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cs, vn,
                                               do, dht, scale, lower_bound, flags, chunk_size)
     gate = bool(flags & _GATE)
-    return (
+    return _no_double_backward((
         dq.to(q.dtype) if need[0] else None,
         dk.to(k.dtype) if need[1] else None,
         dv.to(v.dtype) if need[2] else None,
@@ -310,7 +310,27 @@ def _chunk_grads(saved, opts, do, dht, need):
         ddt.to(dt_bias.dtype) if (need[6] and gate) else None,
         dh0.to(initial_state.dtype) if need[7] else None,
         None, None, None, None, None, None, None,
-    )
+    ))
+
+
+def _no_double_backward(grads):
+    """The gradients as they are, or, under create_graph=True (grad mode on inside the backward),
+    each behind a node that raises when differentiated: the C++ backward has no derivative of its
+    own, and gradients that silently did not depend on the inputs would make a gradient penalty
+    wrong without a word (torch's once_differentiable does this only when the incoming gradients
+    require grad; here the saved inputs do)."""
+    if not torch.is_grad_enabled():
+        return grads
+    err = torch._C._functions.DelayedError(
+        b"libkda.torch: the backward of chunk_kda is not differentiable (no double backward; "
+        b"create_graph=True gradients cannot be differentiated again)", 1)
+    out = []
+    for t in grads:
+        if isinstance(t, torch.Tensor):
+            t = t.detach().requires_grad_(True)
+            t = err(t)
+        out.append(t)
+    return tuple(out)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -377,6 +397,8 @@ def _check_tensors(ints=(), **tensors):
     for name, t in tensors.items():
         if t is None:
             continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kda: argument '{name}': expected a torch.Tensor or None, got {type(t).__name__}")
         if not t.is_cpu:  # (t.device builds a device object: a third of a microsecond per tensor)
             raise NotImplementedError(
                 f"libkda.torch: argument '{name}' is on device '{t.device}', which is not supported -- libkda has "
@@ -542,7 +564,7 @@ def chunk_kda(
                    state_v_first)
     if not kwargs.pop("bf16_dot_products", True):  # libkda's option (not FLA's): fp32 state products
         flags |= _FP32_PRODUCTS
-    scale = None if scale is None else float(scale)
+    scale = _opt_float("scale", scale)
 
     if return_intermediate_states:
         # FLA's contract (its asserts, as AssertionError also under python -O).
@@ -1069,7 +1091,7 @@ def kda_decode(q, k, v, g, beta, state_pool, ssm_state_indices, num_accepted_tok
     decode = (_decode_cpu if _eager_ok(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices,
                                        num_accepted_tokens) else _decode_op)
     o = decode(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accepted_tokens,
-               None if scale is None else float(scale), lower_bound, flags)
+               _opt_float("scale", scale), lower_bound, flags)
     return _pad_tokens(o.flatten(0, 1).unsqueeze(0), total) if packed else o
 
 

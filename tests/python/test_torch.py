@@ -378,6 +378,35 @@ def test_decode_speculative_and_packed():
     assert torch.equal(o_r, torch.cat(parts, 1)) and torch.equal(ragged_pool, split_pool)
 
 
+def test_double_backward_raises_instead_of_dropping_the_term():
+    """The C++ backward has no derivative: gradients taken with create_graph=True are usable as
+    values, but differentiating them again raises, rather than silently treating them as constants
+    (a gradient penalty would be wrong without a word)."""
+    x, _, _ = make(3, T=20)
+    q = x["q"].clone().requires_grad_(True)
+    v = x["v"].clone().requires_grad_(True)
+    o, _ = kt.chunk_kda(q, x["k"], v, x["g"], x["beta"])
+    gq, = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    plain, = torch.autograd.grad(kt.chunk_kda(q, x["k"], v, x["g"], x["beta"])[0].square().sum(), q)
+    assert torch.equal(gq.detach(), plain)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        (gq.square().sum() + v.sum()).backward()
+
+
+@pytest.mark.parametrize("arg", ["q", "cu_seqlens", "initial_state", "A_log", "scale", "lower_bound"])
+def test_non_tensor_arguments_are_type_errors_naming_them(arg):
+    x, _, _ = make(4, T=20)
+    kw = dict(use_gate_in_kernel=True, A_log=torch.zeros(2), lower_bound=-5.0)
+    bad = {"q": np.zeros((1, 20, 2, 16), np.float32), "cu_seqlens": [0, 10, 20], "initial_state": [0.0],
+           "A_log": 0.5, "scale": "0.5", "lower_bound": "x"}[arg]
+    if arg == "q":
+        x["q"] = bad
+    else:
+        kw[arg] = bad
+    with pytest.raises(TypeError, match=f"argument '{arg}'"):
+        kt.chunk_kda(**x, **kw)
+
+
 @pytest.mark.parametrize("layout", ["unpacked", "packed", "ragged", "out_of_place"])
 def test_decode_wider_index_tensors_use_their_first_columns(layout):
     """[N, T'] ssm_state_indices with T' above the tokens per sequence (vLLM keeps [N, num_spec + 1]
