@@ -600,6 +600,14 @@ def kimi_delta_attention(
              | (_NEG_EIGVAL if a["allow_neg_eigval"] else 0)
              | (0 if bool(a["bf16_dot_products"]) else _FP32_PRODUCTS))
     oracle = jax.dtypes.canonicalize_dtype(query.dtype) == jnp.float64
+    arrays = dict(key=key, value=value, gate=gate, beta=beta, a_log=a["a_log"],
+                  delta_time_bias=a["delta_time_bias"], initial_state=a["initial_state"])
+    if not oracle:
+        # float64 arguments beside a narrower query (numpy's default under jax_enable_x64, as
+        # np.log(...) gives for a_log) compute in fp32, as Tokamax casts a_log and dt_bias; their
+        # cotangents come back in float64 through the cast.
+        arrays = {n: (x.astype(jnp.float32) if x is not None and jax.dtypes.canonicalize_dtype(x.dtype) == jnp.float64
+                      else x) for n, x in arrays.items()}
     cfg = _Config(
         scale=_opt_float("scale", a["scale"]),
         lower_bound=_opt_float("lower_bound", a["lower_bound"]),
@@ -610,8 +618,8 @@ def kimi_delta_attention(
         output_final_state=a["output_final_state"],
         save_states=not a["rematerialize_for_backward"] and not oracle,
     )
-    return _kda(query, key, value, gate, beta, a["a_log"], a["delta_time_bias"], a["initial_state"],
-                a["segment_ids"], cfg)
+    return _kda(query, arrays["key"], arrays["value"], arrays["gate"], arrays["beta"], arrays["a_log"],
+                arrays["delta_time_bias"], arrays["initial_state"], a["segment_ids"], cfg)
 
 
 class _Implementation:

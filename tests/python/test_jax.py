@@ -374,6 +374,35 @@ def test_float64_uses_scale_and_lower_bound_unrounded():
     assert err < 1e-12, f"max relative error {err:.3e} against the float64 recurrence"
 
 
+def test_float64_arguments_beside_a_float32_query_compute_in_float32():
+    """Under jax_enable_x64, numpy's float64 a_log / dt_bias / keys / initial state beside a float32
+    query compute in fp32 (as Tokamax casts a_log and dt_bias): the same o and gradients as the
+    all-float32 call, bit for bit, the gradients in each argument's own dtype."""
+    if not hasattr(jax, "enable_x64"):
+        pytest.skip("this jax has no jax.enable_x64 context manager")
+    rng = np.random.default_rng(13)
+    H, B, T, K, V = 2, 1, 20, 8, 4
+    shapes = [(H, B, T, K), (H, B, T, K), (H, B, T, V), (H, B, T, K), (H, B, T), (H,), (H * K,), (B, 1, H, K, V)]
+    xs = [rng.standard_normal(s) for s in shapes]
+    xs[4] = rng.random(shapes[4])
+
+    def loss(q, k, v, g, beta, a_log, dt_bias, h0):
+        o, fs = kj.kimi_delta_attention(q, k, v, g, beta, a_log=a_log, delta_time_bias=dt_bias, initial_state=h0,
+                                        output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm=True)
+        return jnp.sum(o * o) + jnp.sum(fs), o
+
+    with jax.enable_x64(True):
+        f32 = [jnp.asarray(x, jnp.float32) for x in xs]
+        mixed = [f32[0]] + [jnp.asarray(x) for x in xs[1:]]  # float64 but for the query
+        assert all(x.dtype == jnp.float64 for x in mixed[1:])
+        (l32, o32), g32 = jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True)(*f32)
+        (lmx, omx), gmx = jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True)(*mixed)
+    assert omx.dtype == jnp.float32 and np.array_equal(np.asarray(omx), np.asarray(o32))
+    for i, (a, b) in enumerate(zip(gmx, g32)):
+        assert a.dtype == mixed[i].dtype, (i, a.dtype)
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b)), f"gradient {i}"
+
+
 # --- Tokamax API compatibility: implementation names, context parallel metadata, signature /
 # --- **options (libkda extensions and the older experimental API's keywords), batch-first API.
 
