@@ -313,6 +313,15 @@ def _chunk_grads(saved, opts, do, dht, need):
     ))
 
 
+def _raise_when_differentiated(tensors, message):
+    """Each tensor behind a node that raises `message` when a backward reaches it (None and
+    non-tensors as they are): for results that do not depend differentiably on inputs that
+    require grad, so that a backward through them fails loudly instead of treating them as
+    constants."""
+    err = torch._C._functions.DelayedError(message.encode(), 1)
+    return tuple(err(t.detach().requires_grad_(True)) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
 def _no_double_backward(grads):
     """The gradients as they are, or, under create_graph=True (grad mode on inside the backward),
     each behind a node that raises when differentiated: the C++ backward has no derivative of its
@@ -321,16 +330,9 @@ def _no_double_backward(grads):
     require grad; here the saved inputs do)."""
     if not torch.is_grad_enabled():
         return grads
-    err = torch._C._functions.DelayedError(
-        b"libkda.torch: the backward of chunk_kda is not differentiable (no double backward; "
-        b"create_graph=True gradients cannot be differentiated again)", 1)
-    out = []
-    for t in grads:
-        if isinstance(t, torch.Tensor):
-            t = t.detach().requires_grad_(True)
-            t = err(t)
-        out.append(t)
-    return tuple(out)
+    return _raise_when_differentiated(grads, "libkda.torch: the backward of chunk_kda is not differentiable (no "
+                                             "double backward; create_graph=True gradients cannot be differentiated "
+                                             "again)")
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -790,7 +792,8 @@ def fused_recurrent_kda_fwd(
         if out is not None:
             out.copy_(o.reshape(out.shape))
             o = out
-        return o, fs
+            return o, fs
+        return _decode_not_differentiable((o, fs), q, k, v, g, beta, A_log, dt_bias, initial_state)
     o = kda_decode(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                    A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -798,8 +801,19 @@ def fused_recurrent_kda_fwd(
                    cu_seqlens=cu_seqlens)
     if out is not None:
         out.copy_(o.reshape(out.shape))
-        o = out
-    return o, initial_state
+        return out, initial_state
+    return _decode_not_differentiable((o,), q, k, v, g, beta, A_log, dt_bias, initial_state) + (initial_state,)
+
+
+def _decode_not_differentiable(results, *inputs):
+    """The decode against a pool is forward only (as FLA's decode kernel): when grad mode is on and
+    an input requires grad, its results raise when a backward reaches them, instead of silently
+    giving no gradient. (A result written into `out` is returned as that tensor, unwrapped.)"""
+    if not torch.is_grad_enabled() or not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        return tuple(results)
+    return _raise_when_differentiated(results, "libkda.torch: the decode with ssm_state_indices (a state pool) is "
+                                               "not differentiable; use chunk_kda or fused_recurrent_kda without "
+                                               "ssm_state_indices for gradients")
 
 
 def _check_slot_range(indices, slots):

@@ -393,6 +393,24 @@ def test_double_backward_raises_instead_of_dropping_the_term():
         (gq.square().sum() + v.sum()).backward()
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+def test_decode_with_inputs_requiring_grad_raises_on_backward(inplace):
+    """The pool decode is forward only, as FLA's decode kernel: with an input that requires grad,
+    o is the same values, and a backward through it raises instead of giving no gradient."""
+    q, k, v, g, beta, pool = _decode_inputs(14)
+    idx = torch.tensor([4, -1, 0])
+    kw = dict(ssm_state_indices=idx, state_v_first=True, inplace_final_state=inplace, output_final_state=True)
+    want, _ = kt.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool.clone(), **kw)
+    vr = v.clone().requires_grad_(True)
+    got, _ = kt.fused_recurrent_kda_fwd(q, k, vr, g, beta, initial_state=pool.clone(), **kw)
+    assert torch.equal(got.detach(), want)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        got.sum().backward()
+    with torch.no_grad():  # the serving case: no autograd node at all
+        plain, _ = kt.fused_recurrent_kda_fwd(q, k, vr, g, beta, initial_state=pool.clone(), **kw)
+    assert not plain.requires_grad and torch.equal(plain, want)
+
+
 @pytest.mark.parametrize("arg", ["q", "cu_seqlens", "initial_state", "A_log", "scale", "lower_bound"])
 def test_non_tensor_arguments_are_type_errors_naming_them(arg):
     x, _, _ = make(4, T=20)
