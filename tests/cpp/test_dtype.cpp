@@ -11,16 +11,11 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "test_util.hpp"
 
 namespace {
 
-#if defined(__x86_64__) || defined(__i386__)
-using Half = _Float16;
-#elif defined(__aarch64__) || defined(__arm__)
-using Half = __fp16;
-#else
-#error "tests/cpp/test_dtype.cpp: no binary16 type known for this target"
-#endif
+using kda::test::Half;
 
 std::uint32_t bits_of(float x) {
   std::uint32_t b;

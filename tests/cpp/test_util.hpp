@@ -16,6 +16,17 @@
 
 namespace kda::test {
 
+// The compiler's own binary16 type, independent of the library's conversions (src/core/dtype.hpp):
+// _Float16 on x86-64; GCC 12 for Arm has it only in C, its __fp16 (IEEE format) converts in
+// hardware there.
+#if defined(__x86_64__) || defined(__i386__)
+using Half = _Float16;
+#elif defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+#error "tests/cpp/test_util.hpp: no binary16 type known for this target"
+#endif
+
 enum class Gate { kLogDecay, kSoftplus, kLowerBound };
 
 inline const char* gate_name(Gate g) {
