@@ -8,24 +8,10 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "core/dtype.hpp"  // the library's binary16 rounding, on every target
 #include "kda/kda.hpp"
 
 namespace kda_bench {
-
-// fp32 -> IEEE binary16, rounded to nearest even: the compiler's _Float16 on x86-64; elsewhere
-// (GCC 12 for Arm has no _Float16 in C++) Arm's __fp16, or the integer rounding.
-inline std::uint16_t f32_to_f16(float x) {
-#if defined(__x86_64__) || defined(__i386__)
-  _Float16 h = static_cast<_Float16>(x);
-#elif defined(__aarch64__) || defined(__arm__)
-  __fp16 h = static_cast<__fp16>(x);
-#else
-#error "bench/bench_tensor.hpp: no binary16 type known for this target"
-#endif
-  std::uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
-}
 
 // A tensor owned through the accounting allocator.
 struct Tensor {
@@ -64,7 +50,7 @@ inline void fill(Tensor& t, float lo, float hi, std::uint64_t seed) {
         break;
       }
       case kda::DType::kF16: {
-        static_cast<std::uint16_t*>(t.buf.get())[i] = f32_to_f16(x);
+        static_cast<std::uint16_t*>(t.buf.get())[i] = kda::detail::f32_to_f16(x);
         break;
       }
       default:

@@ -791,8 +791,7 @@ def fused_recurrent_kda_fwd(
         fs = fs if output_final_state else None  # FLA: the per-token states only when asked for
         if out is not None:
             out.copy_(o.reshape(out.shape))
-            o = out
-            return o, fs
+            return out, fs
         return _decode_not_differentiable((o, fs), q, k, v, g, beta, A_log, dt_bias, initial_state)
     o = kda_decode(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                    A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -823,6 +822,12 @@ def _check_slot_range(indices, slots):
                          f"padding), got {int(indices.max())}")
 
 
+def _index_shape_ok(indices, n, t):
+    """Slot indices [N], or [N, T'] with T' >= T (the first T columns used, as FLA's kernel reads
+    each row through its stride; vLLM keeps [N, num_spec + 1])."""
+    return tuple(indices.shape) == (n,) or (indices.dim() == 2 and indices.shape[0] == n and indices.shape[1] >= t)
+
+
 def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
     """kda::decode's index contract, for the out-of-place path that does not call it: int indices
     [N] or [N, T] below `slots` (negative: padding), num_accepted_tokens [N] in [1, T] and only
@@ -830,7 +835,7 @@ def _check_decode_indices(indices, num_accepted_tokens, n, t, slots):
     name = "ssm_state_indices"
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kda: argument '{name}': expected dtype int32 or int64, got {indices.dtype}")
-    if not (tuple(indices.shape) == (n,) or (indices.dim() == 2 and indices.shape[0] == n and indices.shape[1] >= t)):
+    if not _index_shape_ok(indices, n, t):
         raise ValueError(f"kda: argument '{name}': expected shape [N] = [{n}] or [N, T'] = [{n}, >= {t}] (T = {t} "
                          f"tokens; the first T columns are used), got {list(indices.shape)}")
     _check_slot_range(indices, slots)
@@ -886,8 +891,7 @@ def _check_ragged_indices(indices, num_accepted_tokens, lengths, slots, writes):
     pool is only read, and rows may share a slot)."""
     name = "ssm_state_indices"
     n, tmax = lengths.numel(), int(lengths.max())
-    if indices.dtype not in (torch.int32, torch.int64) or not (
-            tuple(indices.shape) == (n,) or (indices.dim() == 2 and indices.shape[0] == n and indices.shape[1] >= tmax)):
+    if indices.dtype not in (torch.int32, torch.int64) or not _index_shape_ok(indices, n, tmax):
         raise ValueError(f"kda: argument '{name}': expected an int32 or int64 tensor of shape [N] = [{n}] or "
                          f"[N, T'] = [{n}, >= {tmax}] (T' at least the longest sequence of cu_seqlens), got "
                          f"{indices.dtype} of shape {list(indices.shape)}")

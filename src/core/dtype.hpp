@@ -69,7 +69,6 @@ static inline std::uint16_t f32_to_f16_bits(float f) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-#define KDA_HAVE_FLOAT16 1
 static inline float f16_to_f32(std::uint16_t bits) {
   _Float16 h;
   std::memcpy(&h, &bits, sizeof h);

@@ -64,19 +64,17 @@ CpuTarget target() {
 
 // Calls the kernel entry `fn` (forward, backward or decode) of the chosen target's namespace.
 #if defined(KDA_HAVE_AVX512_TARGET)
-#define KDA_ON_CPU_TARGET(fn, ...)                                           \
-  do {                                                                       \
-    if (!choice().error.empty()) return Status::error(choice().error);       \
-    if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__); \
-    return cpu::generic::fn(__VA_ARGS__);                                    \
-  } while (0)
+#define KDA_CALL_AVX512(fn, ...) \
+  if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__)
 #else
+#define KDA_CALL_AVX512(fn, ...) static_cast<void>(0)
+#endif
 #define KDA_ON_CPU_TARGET(fn, ...)                                     \
   do {                                                                 \
     if (!choice().error.empty()) return Status::error(choice().error); \
+    KDA_CALL_AVX512(fn, __VA_ARGS__);                                  \
     return cpu::generic::fn(__VA_ARGS__);                              \
   } while (0)
-#endif
 
 }  // namespace
 
