@@ -314,9 +314,43 @@ TEST(DecodeExact, LargeCallsGiveTheBitsOfSmallOnes) {
   EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str();
 }
 
-// Draft tokens' states written to their own slots go past the caches where the pool's lines are
-// 64-byte aligned and through plain stores where they are not: the same bits either way, and the
+// Decodes dc with its pool copied to `offset` bytes past a 64-byte line; o and the pool after.
+void decode_at_offset(const DecodeCase& dc, DecodeData& d, std::size_t offset, std::vector<double>* o_out,
+                      std::vector<double>* pool_out) {
+  const std::size_t bytes = d.pool.bytes.size();
+  std::vector<unsigned char> raw(bytes + 128);
+  const std::size_t to_line = (64 - reinterpret_cast<std::uintptr_t>(raw.data()) % 64) % 64;
+  unsigned char* data = raw.data() + to_line + offset;
+  std::memcpy(data, d.pool.bytes.data(), bytes);
+  HostTensor o(DType::kF32, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
+  DecodeParams p = make_decode_params(dc, d, o, idx, acc);
+  p.state_pool.data = data;
+  const Status s = decode(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  *o_out = o.to_double();
+  HostTensor pool = d.pool;
+  std::memcpy(pool.bytes.data(), data, bytes);
+  *pool_out = pool.to_double();
+}
+
+// Runs dc on a line-aligned pool and on one 16 bytes off: the same bits either way, and the
 // oracle's values.
+void expect_aligned_and_offset_pools_agree(const DecodeCase& dc) {
+  DecodeData d = make_decode_data(dc);
+  std::vector<double> eo, ep;
+  oracle_decode(dc, d, &eo, &ep);
+  std::vector<double> o_aligned, pool_aligned, o_offset, pool_offset;
+  decode_at_offset(dc, d, 0, &o_aligned, &pool_aligned);
+  decode_at_offset(dc, d, 16, &o_offset, &pool_offset);
+  expect_bitwise(o_aligned, o_offset, "o, aligned vs 16 bytes off");
+  expect_bitwise(pool_aligned, pool_offset, "pool, aligned vs 16 bytes off");
+  const Metric mo = compare(o_aligned, eo), mp = compare(pool_aligned, ep);
+  EXPECT_TRUE(mo.finite && mo.rel <= forward_bound(dc.c.dtype)) << "o: " << mo.str();
+  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str();
+}
+
+// Draft tokens' states written to their own slots go past the caches where the pool's lines are
+// 64-byte aligned and through plain stores where they are not.
 class DecodeSlotStores : public ::testing::TestWithParam<StateLayout> {};
 
 TEST_P(DecodeSlotStores, AlignedAndMisalignedPoolsGiveTheSameBits) {
@@ -325,33 +359,24 @@ TEST_P(DecodeSlotStores, AlignedAndMisalignedPoolsGiveTheSameBits) {
   dc.slots = 10;
   dc.idx = {1, 2, 3, 4, -1, 5, 6, 7, 8};  // row 1 keeps no state after token 1
   dc.accepted = {1, 2, 3};
-  DecodeData d = make_decode_data(dc);
-  std::vector<double> eo, ep;
-  oracle_decode(dc, d, &eo, &ep);
-  auto run = [&](std::size_t offset, std::vector<double>* o_out, std::vector<double>* pool_out) {
-    const std::size_t bytes = d.pool.bytes.size();
-    std::vector<unsigned char> raw(bytes + 128);
-    const std::size_t to_line = (64 - reinterpret_cast<std::uintptr_t>(raw.data()) % 64) % 64;
-    unsigned char* data = raw.data() + to_line + offset;
-    std::memcpy(data, d.pool.bytes.data(), bytes);
-    HostTensor o(DType::kF32, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
-    DecodeParams p = make_decode_params(dc, d, o, idx, acc);
-    p.state_pool.data = data;
-    ASSERT_TRUE(decode(p).ok());
-    *o_out = o.to_double();
-    HostTensor pool = d.pool;
-    std::memcpy(pool.bytes.data(), data, bytes);
-    *pool_out = pool.to_double();
-  };
-  std::vector<double> o_aligned, pool_aligned, o_offset, pool_offset;
-  run(0, &o_aligned, &pool_aligned);
-  run(16, &o_offset, &pool_offset);
-  expect_bitwise(o_aligned, o_offset, "o, aligned vs 16 bytes off");
-  expect_bitwise(pool_aligned, pool_offset, "pool, aligned vs 16 bytes off");
-  const Metric mo = compare(o_aligned, eo), mp = compare(pool_aligned, ep);
-  EXPECT_TRUE(mo.finite && mo.rel <= forward_bound(dc.c.dtype)) << "o: " << mo.str();
-  EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str();
+  expect_aligned_and_offset_pools_agree(dc);
 }
+
+// One token in place on a V-first pool: aligned rows of K = 64 or 128 take the kernel compiled for
+// that width, rows off their lines the one for any K; the same sums in the same order.
+class DecodeVFirstWidths : public ::testing::TestWithParam<std::int64_t> {};
+
+TEST_P(DecodeVFirstWidths, CompiledWidthGivesTheBitsOfTheGeneralKernel) {
+  DecodeCase dc;
+  dc.c.B = 3, dc.c.T = 1, dc.c.H = 2, dc.c.HV = 2, dc.c.K = GetParam(), dc.c.V = 37;  // V odd: a single row last
+  dc.c.layout = StateLayout::kVFirst;
+  dc.slots = 5;
+  dc.idx = {3, 0, 4};
+  expect_aligned_and_offset_pools_agree(dc);
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeVFirstWidths, ::testing::Values(64, 128),
+                         [](const auto& info) { return "K" + std::to_string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeSlotStores, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
                          [](const auto& info) {
