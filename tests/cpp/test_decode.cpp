@@ -340,8 +340,8 @@ void expect_aligned_and_offset_pools_agree(const DecodeCase& dc) {
   std::vector<double> eo, ep;
   oracle_decode(dc, d, &eo, &ep);
   std::vector<double> o_aligned, pool_aligned, o_offset, pool_offset;
-  decode_at_offset(dc, d, 0, &o_aligned, &pool_aligned);
-  decode_at_offset(dc, d, 16, &o_offset, &pool_offset);
+  ASSERT_NO_FATAL_FAILURE(decode_at_offset(dc, d, 0, &o_aligned, &pool_aligned));
+  ASSERT_NO_FATAL_FAILURE(decode_at_offset(dc, d, 16, &o_offset, &pool_offset));
   expect_bitwise(o_aligned, o_offset, "o, aligned vs 16 bytes off");
   expect_bitwise(pool_aligned, pool_offset, "pool, aligned vs 16 bytes off");
   const Metric mo = compare(o_aligned, eo), mp = compare(pool_aligned, ep);
@@ -362,6 +362,11 @@ TEST_P(DecodeSlotStores, AlignedAndMisalignedPoolsGiveTheSameBits) {
   expect_aligned_and_offset_pools_agree(dc);
 }
 
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeSlotStores, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
+                         [](const auto& info) {
+                           return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst");
+                         });
+
 // One token in place on a V-first pool: aligned rows of K = 64 or 128 take the kernel compiled for
 // that width, rows off their lines the one for any K; the same sums in the same order.
 class DecodeVFirstWidths : public ::testing::TestWithParam<std::int64_t> {};
@@ -377,11 +382,6 @@ TEST_P(DecodeVFirstWidths, CompiledWidthGivesTheBitsOfTheGeneralKernel) {
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeVFirstWidths, ::testing::Values(64, 128),
                          [](const auto& info) { return "K" + std::to_string(info.param); });
-
-INSTANTIATE_TEST_SUITE_P(Decode, DecodeSlotStores, ::testing::Values(StateLayout::kKFirst, StateLayout::kVFirst),
-                         [](const auto& info) {
-                           return std::string(info.param == StateLayout::kKFirst ? "kfirst" : "vfirst");
-                         });
 
 struct DecodeError {
   const char* name;
