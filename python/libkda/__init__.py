@@ -54,7 +54,7 @@ _alloc = np.empty
 
 
 def cpu_target() -> str:
-    """The CPU kernel target chosen at run time ("avx512" or "generic")."""
+    """The CPU kernel target chosen at run time ("avx512", "avx2" or "generic"; KDA_CPU_TARGET forces one)."""
     return _libkda.cpu_target()
 
 

@@ -31,6 +31,7 @@ struct CpuPlan {
   }
 
 KDA_DECLARE_CPU_TARGET(avx512)
+KDA_DECLARE_CPU_TARGET(avx2)
 KDA_DECLARE_CPU_TARGET(generic)
 
 }  // namespace kda::cpu

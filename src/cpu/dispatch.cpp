@@ -24,31 +24,53 @@
 namespace kda {
 namespace {
 
-enum class CpuTarget { kGeneric, kAvx512 };
+enum class CpuTarget { kGeneric, kAvx2, kAvx512 };
 
 struct TargetChoice {
   CpuTarget target = CpuTarget::kGeneric;
-  std::string error;  // KDA_CPU_TARGET names no target: every kernel call fails with this
+  std::string error;  // KDA_CPU_TARGET names no target this CPU runs: every kernel call fails with this
 };
 
-// The best target this CPU runs, or the one KDA_CPU_TARGET names (tests run the suite on the
-// portable kernels): "generic", or "avx512" (the best the CPU runs). Any other value is an error
-// of every kernel call rather than a silent default.
+const char* target_name(CpuTarget t) {
+  switch (t) {
+    case CpuTarget::kAvx512:
+      return "avx512";
+    case CpuTarget::kAvx2:
+      return "avx2";
+    case CpuTarget::kGeneric:
+      return "generic";
+  }
+  return "generic";
+}
+
+// The best target this CPU runs (avx512, else avx2, else generic), or the one KDA_CPU_TARGET
+// names (tests run the suite on each target the CPU has). A name that is no target, or a target
+// this CPU lacks, is an error of every kernel call rather than a silent fallback.
 TargetChoice choose_target() {
   TargetChoice c;
-#if defined(KDA_HAVE_AVX512_TARGET)
+  bool has_avx512 = false, has_avx2 = false;
+#if defined(KDA_HAVE_X86_TARGETS)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
-    c.target = CpuTarget::kAvx512;
-  }
+  has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("bmi2");
+  has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 #endif
+  c.target = has_avx512 ? CpuTarget::kAvx512 : has_avx2 ? CpuTarget::kAvx2 : CpuTarget::kGeneric;
   const char* forced = std::getenv("KDA_CPU_TARGET");
-  if (forced == nullptr || *forced == '\0' || std::strcmp(forced, "avx512") == 0) return c;
+  if (forced == nullptr || *forced == '\0') return c;
   if (std::strcmp(forced, "generic") == 0) {
     c.target = CpuTarget::kGeneric;
+  } else if (std::strcmp(forced, "avx2") == 0 && has_avx2) {
+    c.target = CpuTarget::kAvx2;
+  } else if (std::strcmp(forced, "avx512") == 0 && has_avx512) {
+    c.target = CpuTarget::kAvx512;
+  } else if (std::strcmp(forced, "avx2") == 0 || std::strcmp(forced, "avx512") == 0) {
+    c.error = std::string("environment variable KDA_CPU_TARGET: '") + forced +
+              "' is not supported by this CPU (best: " + target_name(c.target) + ")";
   } else {
-    c.error = std::string("environment variable KDA_CPU_TARGET: expected generic or avx512, got '") + forced + "'";
+    c.error =
+        std::string("environment variable KDA_CPU_TARGET: expected generic, avx2 or avx512, got '") + forced + "'";
   }
   return c;
 }
@@ -63,23 +85,24 @@ CpuTarget target() {
 }
 
 // Calls the kernel entry `fn` (forward, backward or decode) of the chosen target's namespace.
-#if defined(KDA_HAVE_AVX512_TARGET)
-#define KDA_CALL_AVX512(fn, ...) \
-  if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__)
+#if defined(KDA_HAVE_X86_TARGETS)
+#define KDA_CALL_X86(fn, ...)                                              \
+  if (target() == CpuTarget::kAvx512) return cpu::avx512::fn(__VA_ARGS__); \
+  if (target() == CpuTarget::kAvx2) return cpu::avx2::fn(__VA_ARGS__)
 #else
-#define KDA_CALL_AVX512(fn, ...) static_cast<void>(0)
+#define KDA_CALL_X86(fn, ...) static_cast<void>(0)
 #endif
 #define KDA_ON_CPU_TARGET(fn, ...)                                     \
   do {                                                                 \
     if (!choice().error.empty()) return Status::error(choice().error); \
-    KDA_CALL_AVX512(fn, __VA_ARGS__);                                  \
+    KDA_CALL_X86(fn, __VA_ARGS__);                                     \
     return cpu::generic::fn(__VA_ARGS__);                              \
   } while (0)
 
 }  // namespace
 
 const char* cpu_target() {
-  return target() == CpuTarget::kAvx512 ? "avx512" : "generic";
+  return target_name(target());
 }
 
 // The work order and staged-buffer offsets of a validated problem.

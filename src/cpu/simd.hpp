@@ -15,12 +15,21 @@
 // unit, changed the inlining and broke the bitwise v_new contract on the fp32 path.
 #define KDA_NOINLINE __attribute__((noinline))
 
-// Natural (64-byte) alignment: with a smaller one GCC 12 keeps register-blocked accumulator
-// arrays (gemm_tile) partly on the stack, storing them every iteration. Memory is only ever
-// accessed through vload / vstore (memcpy), so no pointer needs that alignment.
-typedef float vf __attribute__((vector_size(64)));         // 16 x fp32
-typedef std::int32_t vi __attribute__((vector_size(64)));  // 16 x int32
-constexpr int kLanes = 16;
+// The target's vector: 64 bytes (16 lanes) on the avx512 and generic targets, 32 bytes (8 lanes,
+// one AVX register) on the avx2 target, whose translation unit sets KDA_VECTOR_BYTES to 32: GCC 12
+// has no machine mode for a 64-byte vector without AVX-512, so there such vectors lived on the
+// stack (docs/PERF.md, twenty-fourth session). Every kernel counts in kLanes, so the width is the
+// only difference between the targets' sources.
+#ifndef KDA_VECTOR_BYTES
+#define KDA_VECTOR_BYTES 64
+#endif
+// Natural alignment: with a smaller one GCC 12 keeps register-blocked accumulator arrays
+// (gemm_tile) partly on the stack, storing them every iteration. Memory is only ever accessed
+// through vload / vstore (memcpy), so no pointer needs that alignment.
+typedef float vf __attribute__((vector_size(KDA_VECTOR_BYTES)));         // kLanes x fp32
+typedef std::int32_t vi __attribute__((vector_size(KDA_VECTOR_BYTES)));  // kLanes x int32
+constexpr int kLanes = KDA_VECTOR_BYTES / 4;
+static_assert(kLanes == 8 || kLanes == 16, "the lane shuffles below are written for 8 or 16 lanes");
 
 static inline vf vload(const float* p) {
   vf v;
@@ -34,20 +43,26 @@ static inline void vstore(float* p, vf v) {
 // has one and p is 64-byte aligned (else a plain store). For states written to slots this call
 // does not read again; fence_streams() before the writer's results are relied on.
 static inline void vstore_stream(float* p, vf v) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && KDA_VECTOR_BYTES == 64
   if (reinterpret_cast<std::uintptr_t>(p) % 64 == 0) return _mm512_stream_ps(p, reinterpret_cast<__m512>(v));
+#elif defined(__AVX__) && KDA_VECTOR_BYTES == 32
+  if (reinterpret_cast<std::uintptr_t>(p) % 32 == 0) return _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
 #endif
   vstore(p, v);
 }
 static inline void fence_streams() {
-#ifdef __AVX512F__
+#if defined(__AVX__)
   _mm_sfence();
 #endif
 }
 // Not `vf{} + x`: 0 + x is not an identity for x = -0, so the compiler would emit a scalar add
 // (on an FMA port) before every broadcast.
 static inline vf vsplat(float x) {
+#if KDA_VECTOR_BYTES == 64
   return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return vf{x, x, x, x, x, x, x, x};
+#endif
 }
 
 // The first n (<= 16) lanes from p, the rest zero; and the matching partial store. For rows
@@ -64,10 +79,10 @@ static inline void vstore_n(float* p, vf v, std::int64_t n) {
   vstore(t, v);
   std::memcpy(p, t, sizeof(float) * n);
 }
+#if KDA_VECTOR_BYTES == 64
 // Sum of the 16 lanes, pairwise: lane l + lane l + 8, then + 4, + 2, + 1, in registers (the same
 // additions in the same order as a loop over a stored copy, which cost a store-to-load round trip).
 static inline float vsum(vf v) {
-  static_assert(kLanes == 16, "vsum's shuffles are written for 16 lanes");
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -96,7 +111,6 @@ static inline vf blocks_odd(vf a, vf b) {
 // Always inlined: GCC called it out of line from the V-first draft-token rows (8% of their time),
 // where its inputs and outputs then went through memory.
 static inline __attribute__((always_inline)) void vsum8(const vf* v, float* out) {
-  static_assert(kLanes == 16, "vsum8's shuffles are written for 16 lanes");
   vf x[4], y[2];
   for (int i = 0; i < 4; ++i)  // lanes 0-7: v[2i]'s l + (l + 8), lanes 8-15: v[2i + 1]'s
     x[i] = halves_lo(v[2 * i], v[2 * i + 1]) + halves_hi(v[2 * i], v[2 * i + 1]);
@@ -113,7 +127,6 @@ static inline __attribute__((always_inline)) void vsum8(const vf* v, float* out)
 // two-source steps (+ 8, + 4) put each vector's 4 partial sums in one 128-bit block, then + 2 and
 // + 1 within the blocks: 9 shuffles and adds for the 4 sums instead of 4 x 8.
 static inline void vsum4(const vf* v, float* out) {
-  static_assert(kLanes == 16, "vsum4's shuffles are written for 16 lanes");
   const vf x0 = halves_lo(v[0], v[1]) + halves_hi(v[0], v[1]);
   const vf x1 = halves_lo(v[2], v[3]) + halves_hi(v[2], v[3]);
   vf y = blocks_even(x0, x1) + blocks_odd(x0, x1);
@@ -121,6 +134,33 @@ static inline void vsum4(const vf* v, float* out) {
   y += __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   for (int i = 0; i < 4; ++i) out[i] = y[4 * i];
 }
+#else
+// The same three functions for 8 lanes: lane l + lane l + 4, then + 2, + 1.
+static inline float vsum(vf v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+// out[i] = vsum(v[i]) for 4 vectors, bitwise: + 4 with two-source shuffles (lanes 0-3: v[0]'s
+// partial sums, 4-7: v[1]'s), + 2 the same way (two lanes per vector), then + 1.
+static inline void vsum4(const vf* v, float* out) {
+  const vf x0 = __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(v[0], v[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  const vf x1 = __builtin_shufflevector(v[2], v[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(v[2], v[3], 4, 5, 6, 7, 12, 13, 14, 15);
+  vf y = __builtin_shufflevector(x0, x1, 0, 1, 4, 5, 8, 9, 12, 13) +
+         __builtin_shufflevector(x0, x1, 2, 3, 6, 7, 10, 11, 14, 15);
+  y += __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6);
+  for (int i = 0; i < 4; ++i) out[i] = y[2 * i];
+}
+
+static inline __attribute__((always_inline)) void vsum8(const vf* v, float* out) {
+  vsum4(v, out);
+  vsum4(v + 4, out + 4);
+}
+#endif
 
 // e^x, about 1 ulp (Cephes expf polynomial with a two-part ln 2). Results below FLT_MIN
 // flush to exactly 0 (no denormals), +-inf and NaN propagate, overflow gives +inf.
@@ -232,9 +272,12 @@ static inline float vl2normalize(float* x, std::int64_t n) {
 // one state update rounded differently in two code paths (found when the tiles gained a
 // packing variant, sixteenth session). Without FMA hardware (the generic target) nothing fuses.
 static inline vf vfmadd(vf a, vf b, vf c) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && KDA_VECTOR_BYTES == 64
   return reinterpret_cast<vf>(
       _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__) && KDA_VECTOR_BYTES == 32
+  return reinterpret_cast<vf>(
+      _mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
 #else
   return a * b + c;
 #endif
@@ -243,7 +286,7 @@ static inline vf vfmadd(vf a, vf b, vf c) {
 // The scalar vfmadd: one rounding where the target has FMA hardware, a * b + c elsewhere, so that
 // a scalar loop and its 16-lane form round alike.
 static inline float sfmadd(float a, float b, float c) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__FMA__)
   return __builtin_fmaf(a, b, c);
 #else
   return a * b + c;
@@ -375,14 +418,19 @@ static inline void gemm_tile(std::int64_t kd, const typename Op::A* a, std::int6
 #endif
 }
 
+// The widest register tile, in vectors: 4 with AVX-512's 32 registers (6 x 4 accumulators and the
+// 4 B vectors fit), 2 with AVX2's 16 (6 x 2 accumulators, 2 B vectors and the broadcast: 15).
+constexpr int kTileVectors = kLanes == 16 ? 4 : 2;
+
 template <int MR, typename Op, bool kPack = false>
 static inline void gemm_rows(std::int64_t n, std::int64_t kd, const typename Op::A* a, std::int64_t ars,
                              std::int64_t acs, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
                              float alpha, const float* c_scale, const float* c_src, PairPack pack = {}) {
   std::int64_t j = 0;
   auto src = [&](std::int64_t col) { return offset_src(c_src, col); };
-  for (; j + 4 * kLanes <= n; j += 4 * kLanes)
-    gemm_tile<MR, 4, Op, kPack>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
+  if constexpr (kTileVectors == 4)
+    for (; j + 4 * kLanes <= n; j += 4 * kLanes)
+      gemm_tile<MR, 4, Op, kPack>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
   for (; j + 2 * kLanes <= n; j += 2 * kLanes)
     gemm_tile<MR, 2, Op, kPack>(kd, a, ars, acs, b + j, ldb, c + j, ldc, alpha, c_scale, src(j), pack.at(0, j));
   for (; j < n; j += kLanes)
@@ -420,7 +468,9 @@ enum class Tri : std::uint8_t {
 // element's sum, so results are bitwise the same.
 template <typename Op>
 static inline int gemm_tile_rows(std::int64_t n) {
-  if constexpr (std::is_same_v<Op, F32Fma>)
+  if constexpr (kLanes == 8)  // AVX2: 6 x 2 vectors is the tallest tile its 16 registers hold
+    return 6;
+  else if constexpr (std::is_same_v<Op, F32Fma>)
     return n >= 4 * kLanes ? 4 : 6;
   else
     return n >= 2 * kLanes ? 4 : 6;

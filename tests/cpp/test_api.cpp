@@ -84,9 +84,10 @@ TEST(TensorView, ContiguousAndPermutedStrides) {
 TEST(Library, ReportsVersionAndTarget) {
   EXPECT_STREQ(version(), "0.1.0");
   const std::string target = cpu_target();
-  EXPECT_TRUE(target == "avx512" || target == "generic") << target;
+  EXPECT_TRUE(target == "avx512" || target == "avx2" || target == "generic") << target;
+  // ctest runs the suite once per target this CPU has, forcing all but the best one.
   const char* forced = std::getenv("KDA_CPU_TARGET");
-  if (forced != nullptr && std::strcmp(forced, "generic") == 0) EXPECT_EQ(target, "generic");
+  if (forced != nullptr && *forced != '\0') EXPECT_EQ(target, forced);
 }
 
 }  // namespace
