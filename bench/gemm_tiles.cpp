@@ -6,8 +6,9 @@
 //
 //   kda-gemm-tiles [--reps N]
 //
-// Each figure is the best of 7 timings of N calls. x86-64 with AVX-512 only (the kernels' avx512
-// target); the bf16 rows need AVX512_BF16, and are skipped with a note without it.
+// Each figure is the best of 7 timings of N calls. Built twice: kda-gemm-tiles for the kernels'
+// avx512 target (the bf16 rows need AVX512_BF16, and are skipped with a note without it), and
+// kda-gemm-tiles-avx2 (KDA_VECTOR_BYTES = 32) for their avx2 target, fp32 rows only.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -22,7 +23,9 @@
 #include <type_traits>
 #include <vector>
 
+#if !defined(KDA_VECTOR_BYTES) || KDA_VECTOR_BYTES == 64
 #define KDA_BF16_DOT 1
+#endif
 namespace kda_tiles {
 #include "cpu/simd.hpp"
 
@@ -37,8 +40,8 @@ __attribute__((noinline)) void fixed_tiles(std::int64_t m, std::int64_t n, std::
                             c_scale ? c_scale + i : nullptr, nullptr);
 }
 
-// The tiles before gemm_tile_rows: 6-row tiles (6 x 64, 6 x 32, 6 x 16), the last rows in a
-// smaller tile.
+// The tiles before gemm_tile_rows: 6-row tiles (6 x 4, 6 x 2, 6 x 1 vectors; up to 6 x 2 with
+// 8 lanes), the last rows in a smaller tile.
 template <typename Op>
 __attribute__((noinline)) void six_row_gemm(std::int64_t m, std::int64_t n, std::int64_t kd, const typename Op::A* a,
                                             std::int64_t ars, std::int64_t acs, const float* b, float* c,
@@ -58,7 +61,9 @@ __attribute__((noinline)) void library_gemm(std::int64_t m, std::int64_t n, std:
 
 namespace {
 
+#ifdef KDA_BF16_DOT
 using kda_tiles::Bf16Dot;
+#endif
 using kda_tiles::F32Fma;
 
 struct Shape {
@@ -97,7 +102,7 @@ void run(const std::vector<Shape>& shapes, int reps, const char* kind) {
       x = (l >> 16) | (h & 0xffff0000u);
     }
   }
-  if constexpr (std::is_same_v<Op, Bf16Dot>) {  // b holds bf16 pairs too
+  if constexpr (!std::is_same_v<Op, F32Fma>) {  // Bf16Dot: b holds bf16 pairs too
     for (auto& x : b) {
       std::uint32_t w;
       std::memcpy(&w, &x, 4);
@@ -108,13 +113,13 @@ void run(const std::vector<Shape>& shapes, int reps, const char* kind) {
   std::printf("\n%s products, GFLOP/s of one thread (best of 7 x %d calls):\n", kind, reps);
   std::printf("| product | m x n x kd | gemm | 6-row tiles | 4 x 4 | 2 x 4 | 8 x 2 | 4 x 2 | 8 x 1 |\n");
   std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
-  const double flop_per_kd = std::is_same_v<Op, Bf16Dot> ? 4.0 : 2.0;
+  const double flop_per_kd = std::is_same_v<Op, F32Fma> ? 2.0 : 4.0;
   for (const Shape& s : shapes) {
     const std::int64_t ars = s.a_transposed ? 1 : s.kd, acs = s.a_transposed ? s.m : 1;
     const float* cs = s.scaled ? scale.data() : nullptr;
     const double flop = flop_per_kd * static_cast<double>(s.m * s.n * s.kd);
     auto gflops = [&](auto fn, std::int64_t mr, std::int64_t nv) -> std::string {
-      if (s.m % mr != 0 || s.n % (16 * nv) != 0) return "-";
+      if (s.m % mr != 0 || s.n % (kda_tiles::kLanes * nv) != 0) return "-";
       const double ns = best_ns([&] { fn(s.m, s.n, s.kd, a.data(), ars, acs, b.data(), c.data(), cs); }, reps);
       char buf[32];
       std::snprintf(buf, sizeof buf, "%.1f", flop / ns);
@@ -141,10 +146,19 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+#ifdef KDA_BF16_DOT
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) {
-    std::printf("kda-gemm-tiles: this CPU lacks AVX-512 (the kernels run their generic target): nothing to time\n");
+    std::printf(
+        "kda-gemm-tiles: this CPU lacks AVX-512 (kda-gemm-tiles-avx2 times the avx2 target): nothing to time\n");
     return 0;
   }
+#else
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    std::printf("kda-gemm-tiles-avx2: this CPU lacks AVX2 + FMA: nothing to time\n");
+    return 0;
+  }
+  std::printf("8-lane vectors (the avx2 target): a tile of NV vectors is 8 NV columns wide\n");
+#endif
   // The representative shape's products (K = V = 128, 16-token blocks): SPEC.md section 5.
   run<F32Fma>({{"dAqk = dO Vn^T", 16, 16, 128, false, false},
                {"dL = [Mu | Mw] [U | W]^T", 16, 16, 256, false, false},
@@ -154,6 +168,7 @@ int main(int argc, char** argv) {
                {"fp32 path: W S0, Qg S0", 16, 128, 128, false, false},
                {"fp32 path: state update", 128, 128, 16, true, true}},
               reps, "fp32 (F32Fma)");
+#ifdef KDA_BF16_DOT
   if (!__builtin_cpu_supports("avx512bf16")) {
     std::printf("\nbf16 rows skipped: this CPU lacks AVX512_BF16\n");
     return 0;
@@ -163,5 +178,6 @@ int main(int argc, char** argv) {
                 {"dS update [Qg; W]^T [dO; -dVn]", 128, 128, 16, true, true},
                 {"a 32-column product", 128, 32, 64, true, false}},
                reps, "bf16 pair dot products (Bf16Dot)");
+#endif
   return 0;
 }

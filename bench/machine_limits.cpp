@@ -1,4 +1,5 @@
-// Measured limits of this machine, with all threads: fp32 FMA peak, bf16 dot-product peak
+// Measured limits of this machine, with all threads: fp32 FMA peak (the widest FMA the CPU has:
+// 512-bit with AVX-512, else 256-bit with AVX2 + FMA), bf16 dot-product peak
 // (AVX-512 BF16 vdpbf16ps), streaming memory bandwidth (in-place update, read + write bytes). kda-bench prints them
 // first and reports every result as a percentage of the matching one.
 #include "machine_limits.hpp"
@@ -57,6 +58,20 @@ __attribute__((target("avx512f"))) float fma_loop(std::int64_t iters) {
   return _mm512_reduce_add_ps(s);
 }
 
+// The same on 256-bit vectors, for CPUs with AVX2 + FMA and no AVX-512 (the avx2 target).
+__attribute__((target("avx2,fma"))) float fma_loop_avx2(std::int64_t iters) {
+  __m256 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_ps(0.001f * i);
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(0.0001f);
+  for (std::int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  __m256 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm256_add_ps(s, acc[i]);
+  alignas(32) float out[8];
+  _mm256_store_ps(out, s);
+  return out[0] + out[7];
+}
+
 __attribute__((target("avx512f,avx512bf16"))) float bf16_loop(std::int64_t iters) {
   __m512 acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
@@ -88,6 +103,9 @@ inline void stream_range(float* a, std::int64_t lo, std::int64_t hi) {
 KDA_BENCH_AVX512 void stream_range_avx512(float* a, std::int64_t lo, std::int64_t hi) {
   stream_range(a, lo, hi);
 }
+__attribute__((target("avx2,fma"))) void stream_range_avx2(float* a, std::int64_t lo, std::int64_t hi) {
+  stream_range(a, lo, hi);
+}
 #endif
 
 }  // namespace
@@ -95,6 +113,7 @@ KDA_BENCH_AVX512 void stream_range_avx512(float* a, std::int64_t lo, std::int64_
 double stream_update_seconds(float* a, std::int64_t n, int threads) {
 #if defined(__x86_64__)
   static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
   const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads)
@@ -105,6 +124,8 @@ double stream_update_seconds(float* a, std::int64_t n, int threads) {
 #if defined(__x86_64__)
     if (avx512)
       stream_range_avx512(a, lo, hi);
+    else if (avx2)
+      stream_range_avx2(a, lo, hi);
     else
 #endif
       stream_range(a, lo, hi);
@@ -134,6 +155,8 @@ MachineLimits measure_limits(int threads) {
   if (__builtin_cpu_supports("avx512f")) {
     // 16 lanes x 2 flops per FMA
     m.fp32_fma_gflops = parallel_rate(nt, kChains * 32.0, fma_loop) / 1e9;
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    m.fp32_fma_gflops = parallel_rate(nt, kChains * 16.0, fma_loop_avx2) / 1e9;  // 8 lanes x 2 flops
   }
   if (__builtin_cpu_supports("avx512bf16")) {
     // 32 bf16 pairs x 2 flops per vdpbf16ps

@@ -7,7 +7,7 @@
 namespace kda_bench {
 
 struct MachineLimits {
-  double fp32_fma_gflops = 0;  // 0: not measurable here (no AVX-512)
+  double fp32_fma_gflops = 0;  // 0: not measurable here (neither AVX-512 nor AVX2 + FMA)
   double bf16_dot_gflops = 0;  // 0: no AVX-512 BF16
   double bandwidth_gbps = 0;   // in-place streaming update, read + write bytes
   int threads = 0;
