@@ -5,13 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+t0=$(date +%s)
+# Seconds since the start, after each stage (CI must stay under 30 minutes on 2 cores).
+stage_done() { echo "== $1 done at $(( $(date +%s) - t0 )) s"; }
 bash scripts/install_deps.sh
+stage_done "dependencies"
 PY="${PYTHON:-python3}"
 
 echo "== C++: build (release) and ctest"
 cmake --preset release >/dev/null
 cmake --build --preset release
 ctest --preset release -j "$(nproc)"
+stage_done "C++ release build and ctest"
 
 if [ "${1:-}" = "--sanitize" ]; then
   echo "== C++: ASan + UBSan build and ctest"
@@ -19,9 +24,11 @@ if [ "${1:-}" = "--sanitize" ]; then
   cmake --build --preset asan
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan -j "$(nproc)"
+  stage_done "ASan + UBSan build and ctest"
 fi
 
 bash scripts/test_aarch64.sh
+stage_done "AArch64 under qemu"
 
 echo "== Python: pip install . and pytest"
 bash scripts/install_python_package.sh
@@ -32,3 +39,4 @@ fi
 # Run from tests/ so `import libkda` resolves to the installed package, not python/libkda.
 # pytest exits 5 when it collects nothing; set -e turns that into a failure.
 (cd tests/python && "$PY" -m pytest -q -p no:cacheprovider .)
+stage_done "pip install and pytest"

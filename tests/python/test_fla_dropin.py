@@ -256,14 +256,17 @@ def test_fla_test_kda_gate_and_naive_patterns():
           dt_bias=dt_bias.detach())
 
 
+@pytest.mark.parametrize("V", [8, 16])
 @pytest.mark.parametrize("two_d", [False, True])
-def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(two_d):
+def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(two_d, V):
     """FLA/vLLM's ``inplace_final_state=False`` with ``ssm_state_indices``: each sequence starts from
     the slot it reads, the pool is untouched, and with ``output_final_state=True`` the state after
     every token comes back as float32 ``[N * T, HV, K, V]`` (row ``n * T + t``; None without it);
-    equal to running the same tokens in place."""
+    equal to running the same tokens in place, one at a time: bitwise for one token, to rounding
+    for two (a call of several tokens takes them as a group, whose sums are ordered differently
+    from token-by-token steps; V = 16 takes that kernel on every CPU target)."""
     torch.manual_seed(4)
-    N, T, H, K, V, slots = 3, 2 if two_d else 1, 2, 16, 8, 9
+    N, T, H, K, slots = 3, 2 if two_d else 1, 2, 16, 9
     x = dict(q=torch.randn(N, T, H, K), k=F.normalize(torch.randn(N, T, H, K), dim=-1), v=torch.randn(N, T, H, V),
              g=F.logsigmoid(torch.randn(N, T, H, K)), beta=torch.rand(N, T, H))
     pool = torch.randn(slots, H, K, V)
@@ -290,9 +293,13 @@ def test_vllm_out_of_place_decode_returns_every_token_state_and_leaves_the_pool(
             slot = read[n] if read[n] >= 0 else -1
             o_ref, _ = fused_recurrent_kda_fwd(**step, initial_state=ref_pool, inplace_final_state=True,
                                                ssm_state_indices=torch.tensor([slot], dtype=torch.int32))
-            assert torch.equal(o[n, t], o_ref[0, 0]), f"o of row {n} token {t}"
             want = ref_pool[slot] if slot >= 0 else torch.zeros(H, K, V)
-            assert torch.equal(states[n * T + t], want), f"state after row {n} token {t}"
+            if T == 1:
+                assert torch.equal(o[n, t], o_ref[0, 0]), f"o of row {n} token {t}"
+                assert torch.equal(states[n * T + t], want), f"state after row {n} token {t}"
+            else:
+                assert_close(o[n, t].numpy(), o_ref[0, 0].numpy(), 1e-5, f"o of row {n} token {t}")
+                assert_close(states[n * T + t].numpy(), want.numpy(), 1e-5, f"state after row {n} token {t}")
 
 
 def test_fused_recurrent_fwd_inplace_without_initial_state_is_flas_assertion():

@@ -16,7 +16,7 @@ def test_version():
 
 
 def test_cpu_target():
-    assert libkda.cpu_target() in ("avx512", "generic")
+    assert libkda.cpu_target() in ("avx512", "avx2", "generic")
 
 
 def test_memory_stats(rng):
