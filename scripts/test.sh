@@ -19,6 +19,8 @@ ctest --preset release -j "$(nproc)"
 stage_done "C++ release build and ctest"
 
 if [ "${1:-}" = "--sanitize" ]; then
+  # The asan preset builds with -O1 -g1 (ASan's usual level; line tables are enough for its stack
+  # traces): on the 2-core Zen 2 machine its build and ctest took 413 s against 597 s at -O2 -g.
   echo "== C++: ASan + UBSan build and ctest"
   cmake --preset asan >/dev/null
   cmake --build --preset asan

@@ -1,7 +1,14 @@
 // The vector helpers of src/cpu/simd.hpp (compiled here for the test's own target, as each
 // kernel translation unit compiles them for its own): reductions that kernels rely on to be
-// bitwise equal to each other.
+// bitwise equal to each other. Compiled twice: into kda_tests for the baseline target (16 lanes,
+// suite Simd), and on x86-64 into kda_simd_avx2_tests with KDA_VECTOR_BYTES = 32 and the avx2
+// target's flags (8 lanes, suite SimdAvx2), whose tests skip, saying so, on a CPU without AVX2.
+// That one is its own executable: the std:: functions this file instantiates are compiled with
+// AVX2 there, and the linker may keep that copy for every caller in the binary.
 #include <gtest/gtest.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // simd.hpp's intrinsics on the x86 targets
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -12,8 +19,23 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef KDA_SIMD_SUITE
+#define KDA_SIMD_SUITE Simd
+#endif
+
 namespace {
 #include "cpu/simd.hpp"
+
+// Whether this CPU runs the instructions the file was compiled for.
+bool cpu_runs_this_target() {
+#if KDA_VECTOR_BYTES == 32
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return true;
+#endif
+}
+#define KDA_REQUIRE_TARGET() \
+  if (!cpu_runs_this_target()) GTEST_SKIP() << "this CPU lacks AVX2 + FMA + F16C (the avx2 target)"
 
 std::uint32_t bits(float x) {
   std::uint32_t b;
@@ -44,11 +66,13 @@ void expect_bitwise_vsums(void (*batched)(const vf*, float*)) {
   }
 }
 
-TEST(Simd, Vsum4IsBitwiseFourVsums) {
+TEST(KDA_SIMD_SUITE, Vsum4IsBitwiseFourVsums) {
+  KDA_REQUIRE_TARGET();
   expect_bitwise_vsums<4>(vsum4);
 }
 
-TEST(Simd, Vsum8IsBitwiseEightVsums) {
+TEST(KDA_SIMD_SUITE, Vsum8IsBitwiseEightVsums) {
+  KDA_REQUIRE_TARGET();
   expect_bitwise_vsums<8>(vsum8);
 }
 
@@ -83,7 +107,8 @@ bool written(const GemmShape& g, std::int64_t i, std::int64_t j) {
 
 // c_src = kFromZero gives bitwise what zeroing C first gives (signed zeros included), and reads
 // nothing of C: it starts full of NaN here.
-TEST(Simd, GemmFromZeroIsBitwiseGemmIntoZeros) {
+TEST(KDA_SIMD_SUITE, GemmFromZeroIsBitwiseGemmIntoZeros) {
+  KDA_REQUIRE_TARGET();
   std::mt19937 rng(11);
   for (const GemmShape& g : kGemmShapes) {
     std::vector<float> a(g.m * g.kd), b(g.kd * g.n), scale(g.m);
@@ -106,7 +131,8 @@ TEST(Simd, GemmFromZeroIsBitwiseGemmIntoZeros) {
 
 // The register tile gemm picks changes only which elements are computed together: each row of a
 // product equals, bitwise, that row computed alone (a one-row product, one-row tiles).
-TEST(Simd, GemmRowsDoNotDependOnTheTile) {
+TEST(KDA_SIMD_SUITE, GemmRowsDoNotDependOnTheTile) {
+  KDA_REQUIRE_TARGET();
   std::mt19937 rng(12);
   for (const GemmShape& g : kGemmShapes) {
     if (g.tri != Tri::kFull) continue;  // triangular shapes bound a row's terms by its tile
