@@ -172,6 +172,40 @@ TEST(DecodeExact, NarrowPoolsKeepTheirBitsWhenTheStateIsUnchanged) {
     }
 }
 
+// The same with K = V = 128, where one token in place runs the converting kernels on whole rows of
+// vectors (V-first: decode_v_first's compile-time width; K-first: k_first_token), over every finite
+// 16-bit pattern of the dtype (exponent not all ones: an Inf or NaN would make S^T k NaN), each
+// converted to fp32 on the way in and rounded back on the way out (-0 left out: S + 0 r is +0).
+TEST(DecodeExact, NarrowPoolsKeepEveryFinitePatternWhenTheStateIsUnchanged) {
+  for (const DType pool_dtype : {DType::kBF16, DType::kF16})
+    for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
+      DecodeCase dc;
+      dc.c.B = 2, dc.c.T = 1, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 128, dc.c.V = 128;
+      dc.c.gate = Gate::kLogDecay, dc.c.l2norm = false, dc.c.layout = layout;
+      dc.pool_dtype = pool_dtype;
+      dc.slots = 2;
+      dc.idx = {1, 0};
+      DecodeData d = make_decode_data(dc);
+      d.in.k.fill(0.0);
+      d.in.g.fill(0.0);
+      const std::uint16_t exponent = pool_dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
+      auto* bits = static_cast<std::uint16_t*>(d.pool.view.data);
+      const std::int64_t n = d.pool.numel();  // 65536: every pattern once
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto pattern = static_cast<std::uint16_t>(i * 40503);  // odd: a permutation of the patterns
+        bits[i] = (pattern & exponent) == exponent || pattern == 0x8000 ? std::uint16_t{0} : pattern;
+      }
+      const std::vector<std::uint16_t> before(bits, bits + n);
+      HostTensor o(DType::kF32, {2, 1, 2, 128}), idx, acc;
+      const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
+      ASSERT_TRUE(decode(p).ok());
+      for (std::int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(bits[i], before[i]) << (pool_dtype == DType::kBF16 ? "bf16" : "fp16") << " pool, "
+                                      << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i
+                                      << " (pattern 0x" << std::hex << before[i] << std::dec << ")";
+    }
+}
+
 // Where a narrow pool runs the fp32 pool's own kernels (one token in place: the converting
 // kernels; draft tokens written back after the last: the fp32 group kernels on the state
 // converted into scratch), both layouts, rows of whole vectors: o is the fp32 pool's bit for bit,
