@@ -141,62 +141,27 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   EXPECT_NE(after[6 * slot], before[6 * slot]) << "row 1 writes slot 6 after token 0";
 }
 
-// A step that leaves the state as it was (k = 0, log decay 0: S <- 1 * S + 0) stores a narrow
-// pool back bit for bit, denormals included: the stores round to nearest even like
-// detail::f32_to_bf16 / f32_to_f16 (vcvtneps2bf16, which the bf16 V-first kernel uses where the
-// CPU has it, would flush the denormals to zero). Both layouts (K-first with V = 40: the state
-// converted into fp32 scratch and back; V-first: the converting kernel), every bit pattern of the
-// low byte in the low elements.
-TEST(DecodeExact, NarrowPoolsKeepTheirBitsWhenTheStateIsUnchanged) {
+// One token with k = 0 and log decay 0 (S <- 1 * S + 0 r) on a narrow pool of 2 sequences x 2
+// value heads of K x V states in `slots` slots (rows 0 and 1 in the last slot and slot 0), whose
+// 16-bit elements `fill(pool_dtype, bits, n)` sets first; every element must come back bit for bit.
+template <typename Fill>
+void expect_unchanged_state_keeps_pool_bits(std::int64_t K, std::int64_t V, std::int64_t slots, Fill fill) {
   for (const DType pool_dtype : {DType::kBF16, DType::kF16})
     for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
       DecodeCase dc;
-      dc.c.B = 2, dc.c.T = 1, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 48, dc.c.V = 40;
+      dc.c.B = 2, dc.c.T = 1, dc.c.H = 1, dc.c.HV = 2, dc.c.K = K, dc.c.V = V;
       dc.c.gate = Gate::kLogDecay, dc.c.l2norm = false, dc.c.layout = layout;
       dc.pool_dtype = pool_dtype;
-      dc.slots = 3;
-      dc.idx = {2, 0};
+      dc.slots = slots;
+      dc.idx = {slots - 1, 0};
       DecodeData d = make_decode_data(dc);
       d.in.k.fill(0.0);
       d.in.g.fill(0.0);
       auto* bits = static_cast<std::uint16_t*>(d.pool.view.data);
       const std::int64_t n = d.pool.numel();
-      for (std::int64_t i = 0; i < n; i += 3) bits[i] = static_cast<std::uint16_t>(((i & 1) << 15) | (i & 0xff));
+      fill(pool_dtype, bits, n);
       const std::vector<std::uint16_t> before(bits, bits + n);
-      HostTensor o(DType::kF32, {2, 1, 2, 40}), idx, acc;
-      const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
-      ASSERT_TRUE(decode(p).ok());
-      for (std::int64_t i = 0; i < n; ++i)
-        ASSERT_EQ(bits[i], before[i]) << (pool_dtype == DType::kBF16 ? "bf16" : "fp16") << " pool, "
-                                      << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i;
-    }
-}
-
-// The same with K = V = 128, where one token in place runs the converting kernels on whole rows of
-// vectors (V-first: decode_v_first's compile-time width; K-first: k_first_token), over every finite
-// 16-bit pattern of the dtype (exponent not all ones: an Inf or NaN would make S^T k NaN), each
-// converted to fp32 on the way in and rounded back on the way out (-0 left out: S + 0 r is +0).
-TEST(DecodeExact, NarrowPoolsKeepEveryFinitePatternWhenTheStateIsUnchanged) {
-  for (const DType pool_dtype : {DType::kBF16, DType::kF16})
-    for (const StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
-      DecodeCase dc;
-      dc.c.B = 2, dc.c.T = 1, dc.c.H = 1, dc.c.HV = 2, dc.c.K = 128, dc.c.V = 128;
-      dc.c.gate = Gate::kLogDecay, dc.c.l2norm = false, dc.c.layout = layout;
-      dc.pool_dtype = pool_dtype;
-      dc.slots = 2;
-      dc.idx = {1, 0};
-      DecodeData d = make_decode_data(dc);
-      d.in.k.fill(0.0);
-      d.in.g.fill(0.0);
-      const std::uint16_t exponent = pool_dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
-      auto* bits = static_cast<std::uint16_t*>(d.pool.view.data);
-      const std::int64_t n = d.pool.numel();  // 65536: every pattern once
-      for (std::int64_t i = 0; i < n; ++i) {
-        const auto pattern = static_cast<std::uint16_t>(i * 40503);  // odd: a permutation of the patterns
-        bits[i] = (pattern & exponent) == exponent || pattern == 0x8000 ? std::uint16_t{0} : pattern;
-      }
-      const std::vector<std::uint16_t> before(bits, bits + n);
-      HostTensor o(DType::kF32, {2, 1, 2, 128}), idx, acc;
+      HostTensor o(DType::kF32, {2, 1, 2, V}), idx, acc;
       const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
       ASSERT_TRUE(decode(p).ok());
       for (std::int64_t i = 0; i < n; ++i)
@@ -204,6 +169,31 @@ TEST(DecodeExact, NarrowPoolsKeepEveryFinitePatternWhenTheStateIsUnchanged) {
                                       << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i
                                       << " (pattern 0x" << std::hex << before[i] << std::dec << ")";
     }
+}
+
+// A step that leaves the state as it was stores a narrow pool back bit for bit, denormals
+// included: the stores round to nearest even like detail::f32_to_bf16 / f32_to_f16
+// (vcvtneps2bf16, which the bf16 V-first kernel uses where the CPU has it, would flush the
+// denormals to zero). Both layouts (K-first with V = 40: the state converted into fp32 scratch and
+// back; V-first: the converting kernel), every bit pattern of the low byte in the low elements.
+TEST(DecodeExact, NarrowPoolsKeepTheirBitsWhenTheStateIsUnchanged) {
+  expect_unchanged_state_keeps_pool_bits(48, 40, 3, [](DType, std::uint16_t* bits, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; i += 3) bits[i] = static_cast<std::uint16_t>(((i & 1) << 15) | (i & 0xff));
+  });
+}
+
+// The same with K = V = 128, where one token in place runs the converting kernels on whole rows of
+// vectors (V-first: decode_v_first's compile-time width; K-first: k_first_token), over every finite
+// 16-bit pattern of the dtype (exponent not all ones: an Inf or NaN would make S^T k NaN), each
+// converted to fp32 on the way in and rounded back on the way out (-0 left out: S + 0 r is +0).
+TEST(DecodeExact, NarrowPoolsKeepEveryFinitePatternWhenTheStateIsUnchanged) {
+  expect_unchanged_state_keeps_pool_bits(128, 128, 2, [](DType pool_dtype, std::uint16_t* bits, std::int64_t n) {
+    const std::uint16_t exponent = pool_dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
+    for (std::int64_t i = 0; i < n; ++i) {                         // n = 65536: every pattern once
+      const auto pattern = static_cast<std::uint16_t>(i * 40503);  // odd: a permutation of the patterns
+      bits[i] = (pattern & exponent) == exponent || pattern == 0x8000 ? std::uint16_t{0} : pattern;
+    }
+  });
 }
 
 // Where a narrow pool runs the fp32 pool's own kernels (one token in place: the converting
