@@ -756,13 +756,15 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products) {
     }
   for (const Record& r : recs)
     if (r.suite == "decode" && r.path != "oracle-loop" && r.shape.rfind("N=64 T=1 ", 0) == 0) {
-      const double beside = 100.0 * r.gbps / r.side_gbps;
+      // Shown rounded down, so that a printed 85.0% is never a miss.
+      const double beside = std::floor(1000.0 * r.gbps / r.side_gbps) / 10,
+                   limit = std::floor(10 * r.pct_of_limit) / 10;
       std::snprintf(buf, sizeof buf,
-                    "%s decode (%s): %.0f%% of the measured bandwidth, %.0f%% of the in-place stream timed beside "
+                    "%s decode (%s): %.1f%% of the measured bandwidth, %.1f%% of the in-place stream timed beside "
                     "it (target >= 85%%; %s against the limit, %s against the stream beside it)",
-                    r.path == "decode" ? "K-first" : "V-first", r.shape.c_str(), r.pct_of_limit, beside,
-                    r.pct_of_limit >= 85 ? "met" : "not met", beside >= 85 ? "met" : "not met");
-      add(r.pct_of_limit >= 85 && beside >= 85);
+                    r.path == "decode" ? "K-first" : "V-first", r.shape.c_str(), limit, beside,
+                    limit >= 85 ? "met" : "not met", beside >= 85 ? "met" : "not met");
+      add(limit >= 85 && beside >= 85);
     }
   double lo = 0, hi = 0;
   int Ts = 0;
