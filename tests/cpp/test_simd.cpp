@@ -1,10 +1,11 @@
 // The vector helpers of src/cpu/simd.hpp (compiled here for the test's own target, as each
 // kernel translation unit compiles them for its own): reductions that kernels rely on to be
-// bitwise equal to each other. Compiled twice: into kda_tests for the baseline target (16 lanes,
-// suite Simd), and on x86-64 into kda_simd_avx2_tests with KDA_VECTOR_BYTES = 32 and the avx2
-// target's flags (8 lanes, suite SimdAvx2), whose tests skip, saying so, on a CPU without AVX2.
-// That one is its own executable: the std:: functions this file instantiates are compiled with
-// AVX2 there, and the linker may keep that copy for every caller in the binary.
+// bitwise equal to each other, and src/cpu/rows.hpp's bf16 / fp16 row conversions, which must
+// match the scalar ones of core/dtype.hpp bit for bit. Compiled twice: into kda_tests for the baseline target (16
+// lanes, suite Simd), and on x86-64 into kda_simd_avx2_tests with KDA_VECTOR_BYTES = 32 and the avx2 target's flags (8
+// lanes, suite SimdAvx2), whose tests skip, saying so, on a CPU without AVX2. That one is its own executable: the std::
+// functions this file instantiates are compiled with AVX2 there, and the linker may keep that copy for every caller in
+// the binary.
 #include <gtest/gtest.h>
 #if defined(__x86_64__)
 #include <immintrin.h>  // simd.hpp's intrinsics on the x86 targets
@@ -19,12 +20,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/dtype.hpp"  // the scalar conversions cpu/rows.hpp is checked against
+
 #ifndef KDA_SIMD_SUITE
 #define KDA_SIMD_SUITE Simd
 #endif
 
 namespace {
 #include "cpu/simd.hpp"
+// (after simd.hpp, whose vectors it uses)
+#include "cpu/rows.hpp"
 
 // Whether this CPU runs the instructions the file was compiled for.
 bool cpu_runs_this_target() {
@@ -151,6 +156,77 @@ TEST(KDA_SIMD_SUITE, GemmRowsDoNotDependOnTheTile) {
                                                           << j << "): " << whole[i * g.n + j] << " vs " << row[j];
     }
   }
+}
+
+// The rows types convert as the scalar conversions do, bit for bit (the decode's narrow pools and
+// the bf16 / fp16 inputs go through them). Loads: every 16-bit pattern.
+template <typename Rows>
+void expect_rows_load_every_pattern(float (*scalar)(std::uint16_t)) {
+  for (std::uint32_t p0 = 0; p0 < 65536; p0 += kLanes) {
+    std::uint16_t in[kLanes];
+    for (int l = 0; l < kLanes; ++l) in[l] = static_cast<std::uint16_t>(p0 + l);
+    float out[kLanes];
+    vstore(out, Rows::load(in));
+    for (int l = 0; l < kLanes; ++l) {
+      ASSERT_EQ(bits(out[l]), bits(scalar(in[l]))) << "pattern 0x" << std::hex << in[l];  // NaN payloads too
+    }
+  }
+}
+
+// Stores: exact ties of both parities and their neighbours, NaNs whose payload is only in the low
+// half (a plain rounding carries them into Inf, or into the sign for 0x7fffffff), infinities, the
+// largest floats (rounding up to Inf), denormals, zeros, and random patterns, each lane checked.
+std::vector<std::uint32_t> store_patterns() {
+  std::vector<std::uint32_t> p = {0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7f800001, 0xff800001,
+                                  0x7f808000, 0x7fbfffff, 0x7fc00000, 0x7fc00001, 0x7fffffff, 0xffffffff,
+                                  0x7f7fffff, 0xff7fffff, 0x7f7f8000, 0x7f7e8000, 0x00000001, 0x00008000,
+                                  0x00018000, 0x0000ffff, 0x807fffff, 0x00800000, 0x477fe000, 0x477ff000,
+                                  0x38000000, 0x33800000, 0x33000001, 0x3f808000, 0x3f818000, 0x3f807fff};
+  std::mt19937 rng(11);
+  for (int i = 0; i < 4096; ++i) {
+    const std::uint32_t hi = rng() & 0xffff0000u;
+    p.push_back(hi | 0x8000u);  // a tie
+    p.push_back(hi | ((rng() & 1) ? 0x7fffu : 0x8001u));
+    p.push_back(rng());
+  }
+  while (p.size() % kLanes) p.push_back(0);
+  return p;
+}
+
+template <typename Rows>
+void expect_rows_store_like(std::uint16_t (*scalar)(float)) {
+  const std::vector<std::uint32_t> patterns = store_patterns();
+  for (std::size_t i = 0; i < patterns.size(); i += kLanes) {
+    float in[kLanes];
+    std::memcpy(in, patterns.data() + i, sizeof in);
+    std::uint16_t out[kLanes];
+    Rows::store(out, vload(in));
+    for (int l = 0; l < kLanes; ++l) {
+      const std::uint16_t want = scalar(in[l]);
+      ASSERT_EQ(out[l], want) << "fp32 0x" << std::hex << patterns[i + l] << ": 0x" << out[l] << ", the scalar 0x"
+                              << want;
+    }
+  }
+}
+
+TEST(KDA_SIMD_SUITE, Bf16RowsLoadEveryPatternExactly) {
+  KDA_REQUIRE_TARGET();
+  expect_rows_load_every_pattern<BF16Rows>(kda::detail::bf16_to_f32);
+}
+
+TEST(KDA_SIMD_SUITE, Bf16RowsStoreRoundsLikeTheScalarConversion) {
+  KDA_REQUIRE_TARGET();
+  expect_rows_store_like<BF16Rows>(kda::detail::f32_to_bf16);
+}
+
+TEST(KDA_SIMD_SUITE, F16RowsLoadEveryPatternExactly) {
+  KDA_REQUIRE_TARGET();
+  expect_rows_load_every_pattern<F16Rows>(kda::detail::f16_to_f32);
+}
+
+TEST(KDA_SIMD_SUITE, F16RowsStoreRoundsLikeTheScalarConversion) {
+  KDA_REQUIRE_TARGET();
+  expect_rows_store_like<F16Rows>(kda::detail::f32_to_f16);
 }
 
 }  // namespace
