@@ -49,8 +49,8 @@ struct BF16Rows {
     // The same rounding kept in 32-bit lanes (the result is each lane's high half), NaN lanes found
     // by one unordered compare (AVX2 has no unsigned compare: the generic test took vpminud +
     // vpcmpeqd + an and), and the high halves gathered by vpshufb + vpermq: one shift a vector
-    // where the generic form has three, on a core that shifts vectors on fewer pipes than it
-    // shuffles or adds them.
+    // where the generic form has three. The bf16-pool decode is compute bound on Zen 2, and there
+    // this (with the load's shuffle) moved 9-12% more than the shifts (docs/PERF.md, 28th session).
     const vu rounded = w + 0x7fffu + ((w >> 16) & 1u);
     const vu nan = w | 0x400000u;
     const __m256 f = reinterpret_cast<__m256>(x);
