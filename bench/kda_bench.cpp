@@ -715,6 +715,32 @@ const Record* find(const std::vector<Record>& recs, const std::string& suite, co
   return nullptr;
 }
 
+// Time per token of the scaling suite's fused rows: the lowest and highest, over which range of T.
+struct ScalingSpread {
+  double lo_us = 0, hi_us = 0;
+  std::int64_t t_lo = 0, t_hi = 0;
+  int count = 0;
+  double variation() const { return hi_us / lo_us - 1; }  // max / min - 1
+};
+
+double us_per_token(const Record& r) {
+  return 1e3 * r.median_ms / static_cast<double>(r.tokens);
+}
+
+ScalingSpread scaling_spread(const std::vector<Record>& recs) {
+  ScalingSpread s;
+  for (const Record& r : recs)
+    if (r.suite == "scaling" && r.path == "fused") {
+      const double us = us_per_token(r);
+      s.lo_us = s.count ? std::min(s.lo_us, us) : us;
+      s.hi_us = std::max(s.hi_us, us);
+      s.t_lo = s.count ? std::min(s.t_lo, r.tokens) : r.tokens;
+      s.t_hi = std::max(s.t_hi, r.tokens);
+      ++s.count;
+    }
+  return s;
+}
+
 Config with_dtype(Config c, const std::string& dtype) {
   c.dtype = dtype;
   return c;
@@ -766,17 +792,10 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products) {
                     limit >= 85 ? "met" : "not met", beside >= 85 ? "met" : "not met");
       add(limit >= 85 && beside >= 85);
     }
-  double lo = 0, hi = 0;
-  int Ts = 0;
-  for (const Record& r : recs)
-    if (r.suite == "scaling" && r.path == "fused") {
-      const double us = 1e3 * r.median_ms / static_cast<double>(r.tokens);
-      lo = lo == 0 ? us : std::min(lo, us), hi = std::max(hi, us), ++Ts;
-    }
-  if (Ts > 1) {
+  if (const ScalingSpread sc = scaling_spread(recs); sc.count > 1) {
     std::snprintf(buf, sizeof buf, "time per token over %d values of T: varies by %.0f%% max / min (target <= 15%%)",
-                  Ts, 100.0 * (hi / lo - 1));
-    add(hi / lo - 1 <= 0.15);
+                  sc.count, 100.0 * sc.variation());
+    add(sc.variation() <= 0.15);
   }
   if (lines.empty()) return;
   std::printf("\nissue 5 targets (docs/PERF.md; set for the SPEC.md section 5 shapes, the defaults), from this run:\n");
@@ -855,11 +874,10 @@ int main(int argc, char** argv) {
     char sp[32] = "-";
     if (r.speedup > 0) std::snprintf(sp, sizeof sp, "%.2fx", r.speedup);
     char rate[48];
-    const double pct = r.pct_of_limit;
     if (r.gbps > 0)
-      std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, pct);
+      std::snprintf(rate, sizeof rate, "%.1f GB/s (%.0f%%)", r.gbps, r.pct_of_limit);
     else
-      std::snprintf(rate, sizeof rate, "%.1f (%.0f%%)", r.gflops, pct);
+      std::snprintf(rate, sizeof rate, "%.1f (%.0f%%)", r.gflops, r.pct_of_limit);
     std::printf("| %s | %s | %s | %s | %.2f | %.2f | %.2f | %s | %s | %s | %s | %s |\n", r.suite.c_str(),
                 r.path.c_str(), r.shape.c_str(), r.dtype.c_str(), r.median_ms, r.min_ms, r.max_ms, rate,
                 mb(r.peak_bytes).c_str(), mb(r.extra_bytes).c_str(), mb(r.residual_bytes).c_str(), sp);
@@ -879,20 +897,12 @@ int main(int argc, char** argv) {
           bandwidth, 100.0 * r.gbps / r.side_gbps, r.side_gbps);
   }
   {
-    double lo = 0, hi = 0;
-    std::int64_t t_lo = 0, t_hi = 0;
     for (const Record& r : recs)
-      if (r.suite == "scaling" && r.path == "fused") {
-        const double us = 1e3 * r.median_ms / static_cast<double>(r.tokens);
-        lo = lo == 0 ? us : std::min(lo, us);
-        hi = std::max(hi, us);
-        t_lo = t_lo == 0 ? r.tokens : std::min(t_lo, r.tokens);
-        t_hi = std::max(t_hi, r.tokens);
-        std::printf("scaling: T=%lld fused %.2f us/token\n", static_cast<long long>(r.tokens), us);
-      }
-    if (t_hi > t_lo)
-      std::printf("scaling: time per token varies by %.0f%% from T=%lld to %lld (max/min)\n", 100.0 * (hi / lo - 1),
-                  static_cast<long long>(t_lo), static_cast<long long>(t_hi));
+      if (r.suite == "scaling" && r.path == "fused")
+        std::printf("scaling: T=%lld fused %.2f us/token\n", static_cast<long long>(r.tokens), us_per_token(r));
+    if (const ScalingSpread sc = scaling_spread(recs); sc.t_hi > sc.t_lo)
+      std::printf("scaling: time per token varies by %.0f%% from T=%lld to %lld (max/min)\n", 100.0 * sc.variation(),
+                  static_cast<long long>(sc.t_lo), static_cast<long long>(sc.t_hi));
     const Record* one = nullptr;
     const Record* many = nullptr;
     for (const Record& r : recs)

@@ -1,14 +1,12 @@
-// Rows of fp32, bf16 and fp16 elements as fp32 vectors: the pool's and the inputs' conversions,
-// bf16 / fp16 rounded to nearest even like kda::detail::f32_to_bf16 / f32_to_f16 (core/dtype.hpp,
-// SPEC.md section 4's rounding of stored states). Included, like simd.hpp and after it, inside a
-// target's anonymous namespace (forward_kernels.inc, and tests/cpp/test_simd.cpp, which checks
-// every target it can run against the scalar conversions). Needs <cstring>, <cstdint>, the
-// target's intrinsics headers and core/dtype.hpp before the enclosing namespace.
-
-// Rows of fp32, bf16 or fp16 elements read and written 16 at a time, as fp32 vectors: fp32 as it
-// is, bf16 / fp16 converted as they are loaded and rounded to nearest even as they are stored. The
-// decode's one-token kernels take them as a template parameter (a narrow pool then streams once,
-// at half the bytes); f16_row_to_f32 / f32_row_to_f16 convert fp16 rows with F16Rows.
+// Rows of fp32, bf16 and fp16 elements read and written kLanes at a time as fp32 vectors: fp32 as
+// it is, bf16 / fp16 converted as they are loaded and rounded to nearest even as they are stored,
+// like kda::detail::f32_to_bf16 / f32_to_f16 (core/dtype.hpp). The decode's one-token kernels take
+// them as a template parameter (a narrow pool then streams once, at half the bytes);
+// f16_row_to_f32 / f32_row_to_f16 (forward_kernels.inc) convert fp16 rows with F16Rows.
+// Included, like simd.hpp and after it, inside a target's anonymous namespace: by
+// forward_kernels.inc, and by tests/cpp/test_simd.cpp, which checks every target it can run
+// against the scalar conversions. Needs <cstring>, <cstdint>, the target's intrinsics headers and
+// core/dtype.hpp before the enclosing namespace.
 struct F32Rows {
   using T = float;
   static vf load(const T* p) { return vload(p); }

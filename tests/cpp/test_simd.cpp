@@ -1,10 +1,11 @@
 // The vector helpers of src/cpu/simd.hpp (compiled here for the test's own target, as each
 // kernel translation unit compiles them for its own): reductions that kernels rely on to be
 // bitwise equal to each other, and src/cpu/rows.hpp's bf16 / fp16 row conversions, which must
-// match the scalar ones of core/dtype.hpp bit for bit. Compiled twice: into kda_tests for the baseline target (16
-// lanes, suite Simd), and on x86-64 into kda_simd_avx2_tests with KDA_VECTOR_BYTES = 32 and the avx2 target's flags (8
-// lanes, suite SimdAvx2), whose tests skip, saying so, on a CPU without AVX2. That one is its own executable: the std::
-// functions this file instantiates are compiled with AVX2 there, and the linker may keep that copy for every caller in
+// match the scalar ones of core/dtype.hpp bit for bit. Compiled twice: into kda_tests for the
+// baseline target (16 lanes, suite Simd), and on x86-64 into kda_simd_avx2_tests with
+// KDA_VECTOR_BYTES = 32 and the avx2 target's flags (8 lanes, suite SimdAvx2), whose tests skip,
+// saying so, on a CPU without AVX2. That one is its own executable: the std:: functions this file
+// instantiates are compiled with AVX2 there, and the linker may keep that copy for every caller in
 // the binary.
 #include <gtest/gtest.h>
 #if defined(__x86_64__)
