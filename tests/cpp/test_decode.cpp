@@ -297,11 +297,22 @@ TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
 
 // A call whose K-first states pass 32 MB (cpu kKFirstStripMinBytes) decodes each state in column
 // strips, smaller calls in whole-row passes: both sum in row order, so one large call gives the
-// bits of the same rows decoded a few at a time (batch invariance), and the oracle's values. V =
-// 112: three strips of two vectors and one of one; row 3 is padding.
-TEST(DecodeExact, LargeCallsGiveTheBitsOfSmallOnes) {
+// bits of the same rows decoded a few at a time (batch invariance), and the oracle's values. Row 3
+// is padding. Shapes (K, V, T): V = 128, whole strips of two vectors; V = 112, three strips of two
+// vectors and one of one on 16 lanes; K = 127 with V = 120, an odd number of rows and a strip of
+// one vector on 8 lanes; 17 tokens, more than the draft-token groups take (kMaxFusedTokens), each
+// decoded in place by the one-token kernels.
+struct LargeDecodeShape {
+  std::int64_t K, V, T;
+};
+inline void PrintTo(const LargeDecodeShape& s, std::ostream* os) {
+  *os << "K=" << s.K << " V=" << s.V << " T=" << s.T;
+}
+class DecodeLargeCalls : public ::testing::TestWithParam<LargeDecodeShape> {};
+
+TEST_P(DecodeLargeCalls, GiveTheBitsOfSmallOnes) {
   DecodeCase dc;
-  dc.c.B = 160, dc.c.T = 1, dc.c.H = 2, dc.c.HV = 4, dc.c.K = 128, dc.c.V = 112;
+  dc.c.B = 160, dc.c.T = GetParam().T, dc.c.H = 2, dc.c.HV = 4, dc.c.K = GetParam().K, dc.c.V = GetParam().V;
   dc.c.gate = Gate::kLowerBound;
   dc.slots = 160;
   for (std::int64_t n = 0; n < dc.c.B; ++n) dc.idx.push_back(n == 3 ? -1 : (n * 7) % dc.c.B);
@@ -310,15 +321,15 @@ TEST(DecodeExact, LargeCallsGiveTheBitsOfSmallOnes) {
   std::vector<double> eo, ep;
   oracle_decode(dc, d, &eo, &ep);
   const HostTensor pool0 = d.pool;
-  HostTensor o_large(DType::kF32, {dc.c.B, 1, dc.c.HV, dc.c.V}), idx, acc;
+  HostTensor o_large(DType::kF32, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V}), idx, acc;
   const DecodeParams large = make_decode_params(dc, d, o_large, idx, acc);
   ASSERT_TRUE(decode(large).ok());
   const std::vector<double> pool_large = d.pool.to_double();
 
   d.pool = pool0;
-  HostTensor o_small(DType::kF32, {dc.c.B, 1, dc.c.HV, dc.c.V});
+  HostTensor o_small(DType::kF32, {dc.c.B, dc.c.T, dc.c.HV, dc.c.V});
   DecodeParams small = make_decode_params(dc, d, o_small, idx, acc);
-  constexpr std::int64_t kRows = 8;  // 8 x 4 states of 56 KB: whole-row passes
+  constexpr std::int64_t kRows = 8;  // 8 x 4 states of at most 64 KB: whole-row passes
   auto rows_of = [](TensorView t, std::int64_t r0) {
     t.data = static_cast<char*>(t.data) + r0 * t.strides[0] * static_cast<std::int64_t>(dtype_size(t.dtype));
     t.shape[0] = kRows;
@@ -337,6 +348,14 @@ TEST(DecodeExact, LargeCallsGiveTheBitsOfSmallOnes) {
   EXPECT_TRUE(mo.finite && mo.rel <= forward_bound(dc.c.dtype)) << "o: " << mo.str();
   EXPECT_TRUE(mp.finite && mp.rel <= 1e-5) << "pool: " << mp.str();
 }
+
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeLargeCalls,
+                         ::testing::Values(LargeDecodeShape{128, 128, 1}, LargeDecodeShape{128, 112, 1},
+                                           LargeDecodeShape{127, 120, 1}, LargeDecodeShape{128, 128, 17}),
+                         [](const ::testing::TestParamInfo<LargeDecodeShape>& i) {
+                           return "K" + std::to_string(i.param.K) + "_V" + std::to_string(i.param.V) + "_T" +
+                                  std::to_string(i.param.T);
+                         });
 
 // Decodes dc with its pool copied to `offset` bytes past a 64-byte line; o and the pool after.
 void decode_at_offset(const DecodeCase& dc, DecodeData& d, std::size_t offset, std::vector<double>* o_out,
