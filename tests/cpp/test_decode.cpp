@@ -305,8 +305,11 @@ TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
 struct LargeDecodeShape {
   std::int64_t K, V, T;
 };
+std::string shape_name(const LargeDecodeShape& s) {
+  return "K" + std::to_string(s.K) + "_V" + std::to_string(s.V) + "_T" + std::to_string(s.T);
+}
 inline void PrintTo(const LargeDecodeShape& s, std::ostream* os) {
-  *os << "K=" << s.K << " V=" << s.V << " T=" << s.T;
+  *os << shape_name(s);
 }
 class DecodeLargeCalls : public ::testing::TestWithParam<LargeDecodeShape> {};
 
@@ -352,10 +355,7 @@ TEST_P(DecodeLargeCalls, GiveTheBitsOfSmallOnes) {
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeLargeCalls,
                          ::testing::Values(LargeDecodeShape{128, 128, 1}, LargeDecodeShape{128, 112, 1},
                                            LargeDecodeShape{127, 120, 1}, LargeDecodeShape{128, 128, 17}),
-                         [](const ::testing::TestParamInfo<LargeDecodeShape>& i) {
-                           return "K" + std::to_string(i.param.K) + "_V" + std::to_string(i.param.V) + "_T" +
-                                  std::to_string(i.param.T);
-                         });
+                         [](const ::testing::TestParamInfo<LargeDecodeShape>& i) { return shape_name(i.param); });
 
 // Decodes dc with its pool copied to `offset` bytes past a 64-byte line; o and the pool after.
 void decode_at_offset(const DecodeCase& dc, DecodeData& d, std::size_t offset, std::vector<double>* o_out,
