@@ -749,15 +749,26 @@ Config with_dtype(Config c, const std::string& dtype) {
 // The targets of issue 5 (docs/PERF.md), read off this run's records with the line each is held
 // to. A target whose records the run lacks (a single --suite) is left out; nothing is judged on
 // a shape other than the one the run measured, and the shape is printed beside every line.
-void print_targets(const std::vector<Record>& recs, bool bf16_products) {
+void print_targets(const std::vector<Record>& recs, bool bf16_products, const kda_bench::MachineLimits& limits) {
   std::vector<std::pair<bool, std::string>> lines;
-  char buf[400];
+  char buf[600];
   auto add = [&](bool met) { lines.emplace_back(met, buf); };
   const Record* fwd = find(recs, "forward", "fused");
   if (fwd && fwd->dtype == "bf16") {
+    // Where the CPU has bf16 dot products but issues them slower than its fp32 FMAs (Intel's
+    // Xeons), the kernels multiply bf16 inputs in fp32 and the line is the higher fp32 FMA peak.
+    char why[300] = "";
+    if (!bf16_products && limits.bf16_dot_gflops > 0 && kda::cpu_bf16_dot_products())
+      std::snprintf(why, sizeof why, "; --fp32-products: the fp32 FMA peak stands in");
+    else if (!bf16_products && limits.bf16_dot_gflops > 0)
+      std::snprintf(why, sizeof why,
+                    "; this CPU's bf16 dot peak (%.1f GFLOP/s) is below its fp32 FMA peak (%.1f), so the kernels "
+                    "multiply bf16 inputs in fp32 and the higher peak is the line",
+                    limits.bf16_dot_gflops, limits.fp32_fma_gflops);
+    else if (!bf16_products)
+      std::snprintf(why, sizeof why, "; no bf16 dot products on this CPU and target, the fp32 FMA peak stands in");
     std::snprintf(buf, sizeof buf, "bf16 forward (%s): %.0f%% of the %s (target >= 50%% of the bf16 dot peak%s)",
-                  fwd->shape.c_str(), fwd->pct_of_limit, bf16_products ? "bf16 dot peak" : "fp32 FMA peak",
-                  bf16_products ? "" : "; no bf16 dot products on this CPU and target, the fp32 FMA peak stands in");
+                  fwd->shape.c_str(), fwd->pct_of_limit, bf16_products ? "bf16 dot peak" : "fp32 FMA peak", why);
     add(fwd->pct_of_limit >= 50);
   }
   const Record* f32 = fwd && fwd->dtype == "fp32" ? fwd : find(recs, "forward-fp32", "fused");
@@ -855,7 +866,7 @@ int main(int argc, char** argv) {
   // Compute results are compared with the peak of the products the kernels run: the bf16 dot peak
   // for bf16 inputs on the avx512 target of a CPU with AVX512_BF16 (unless --fp32-products), the
   // fp32 FMA peak otherwise (fp32 and fp16 inputs; the avx2 and generic targets multiply in fp32).
-  const bool bf16_products = cfg.bf16_dot && limits.bf16_dot_gflops > 0 && std::string(kda::cpu_target()) == "avx512";
+  const bool bf16_products = cfg.bf16_dot && limits.bf16_dot_gflops > 0 && kda::cpu_bf16_dot_products();
   for (Record& r : recs) {
     if (r.gbps > 0)
       r.pct_of_limit = 100.0 * r.gbps / bandwidth;
@@ -863,8 +874,11 @@ int main(int argc, char** argv) {
              peak > 0)
       r.pct_of_limit = 100.0 * r.gflops / peak;
   }
-  std::printf("compute results are read against the %s peak\n",
-              bf16_products ? "bf16 dot (bf16 inputs) and fp32 FMA (fp16 and fp32 inputs)" : "fp32 FMA");
+  std::printf("compute results are read against the %s peak (bf16 inputs multiplied %s)\n",
+              bf16_products ? "bf16 dot (bf16 inputs) and fp32 FMA (fp16 and fp32 inputs)" : "fp32 FMA",
+              bf16_products   ? "as bf16 dot products"
+              : !cfg.bf16_dot ? "in fp32: --fp32-products"
+                              : "in fp32: kda::cpu_bf16_dot_products() is false on this CPU and target");
 
   std::printf(
       "\n| suite | path | shape | dtype | median ms | min ms | max ms | GFLOP/s or GB/s (%% of limit) | peak MB | "
@@ -939,7 +953,7 @@ int main(int argc, char** argv) {
                     100.0 * (1.0 - static_cast<double>(fs->peak_bytes) / ss->peak_bytes));
     }
   }
-  print_targets(recs, bf16_products);
+  print_targets(recs, bf16_products, limits);
   if (!cfg.json.empty()) write_json(cfg, recs, limits);
   return 0;
 }

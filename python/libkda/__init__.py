@@ -32,6 +32,7 @@ __all__ = [
     "kda_inference",
     "kda_decode",
     "cpu_target",
+    "cpu_bf16_dot_products",
     "backends",
     "memory_stats",
     "reset_peak_memory",
@@ -56,6 +57,15 @@ _alloc = np.empty
 def cpu_target() -> str:
     """The CPU kernel target chosen at run time ("avx512", "avx2" or "generic"; KDA_CPU_TARGET forces one)."""
     return _libkda.cpu_target()
+
+
+def cpu_bf16_dot_products() -> bool:
+    """Whether bf16 inputs' state products run as bf16 dot products with fp32 accumulation where
+    ``bf16_dot_products=True`` (the default) allows them: on the avx512 target of a CPU with
+    AVX512_BF16 that issues them as fast as its fp32 FMAs (AMD Zen 4 / Zen 5). Intel's Xeons run
+    them at half that rate, so there bf16 inputs are multiplied in fp32 (docs/ARCHITECTURE.md).
+    KDA_BF16_DOT_PRODUCTS=auto|on|off overrides the rule."""
+    return _libkda.cpu_bf16_dot_products()
 
 
 def backends() -> list[str]:

@@ -294,6 +294,9 @@ NB_MODULE(_libkda, m) {
   m.def(
       "cpu_target", [] { return std::string(kda::cpu_target()); }, "The CPU kernel target chosen at run time.");
   m.def(
+      "cpu_bf16_dot_products", [] { return kda::cpu_bf16_dot_products(); },
+      "Whether bf16 inputs' state products run as bf16 dot products (kda::cpu_bf16_dot_products).");
+  m.def(
       "memory_stats",
       [] {
         const kda::MemoryStats s = kda::memory_stats();

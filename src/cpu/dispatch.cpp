@@ -28,7 +28,10 @@ enum class CpuTarget { kGeneric, kAvx2, kAvx512 };
 
 struct TargetChoice {
   CpuTarget target = CpuTarget::kGeneric;
-  std::string error;  // KDA_CPU_TARGET names no target this CPU runs: every kernel call fails with this
+  bool bf16_dot_products = false;  // bf16 inputs' state products as vdpbf16ps (choose_bf16_dot_products)
+  // KDA_CPU_TARGET names no target this CPU runs, or KDA_BF16_DOT_PRODUCTS no setting it can
+  // honour: every kernel call fails with this
+  std::string error;
 };
 
 const char* target_name(CpuTarget t) {
@@ -41,6 +44,40 @@ const char* target_name(CpuTarget t) {
       return "generic";
   }
   return "generic";
+}
+
+// Whether bf16 inputs take the avx512 target's bf16 pair dot products (vdpbf16ps, fp32
+// accumulation; Options::bf16_dot_products permitting) or fp32 FMAs. One vdpbf16ps does 32 pair
+// products, twice an fp32 FMA's flops, but only pays where the CPU issues it as fast as its FMAs:
+// AMD's Zen 4 does (462 against 233 GFLOP/s measured, docs/PERF.md "former Zen 4 machine"), while
+// Intel's Xeons issue it at half the rate of their two 512-bit FMA ports, so there it halves the
+// product rate (this project's Emerald Rapids: 163 against 288-344 GFLOP/s, and the bf16 forward
+// 1.24-1.27x slower with bf16 products than with fp32 ones; docs/PERF.md, thirtieth session).
+// The choice is by vendor, not by a timing at start-up, so that a given CPU always computes the
+// same bits. KDA_BF16_DOT_PRODUCTS=on forces them wherever the CPU has AVX512_BF16 (ctest runs
+// the suite so on Intel CPUs, whose default would leave those kernels untested), off never uses
+// them; auto (or unset) is the vendor rule.
+void choose_bf16_dot_products(TargetChoice& c) {
+  bool has_bf16 = false, pays = false;
+#if defined(KDA_HAVE_X86_TARGETS)
+  has_bf16 = c.target == CpuTarget::kAvx512 && __builtin_cpu_supports("avx512bf16");
+  pays = __builtin_cpu_is("amd");
+#endif
+  c.bf16_dot_products = has_bf16 && pays;
+  const char* forced = std::getenv("KDA_BF16_DOT_PRODUCTS");
+  if (forced == nullptr || *forced == '\0' || std::strcmp(forced, "auto") == 0) return;
+  if (std::strcmp(forced, "off") == 0) {
+    c.bf16_dot_products = false;
+  } else if (std::strcmp(forced, "on") == 0 && has_bf16) {
+    c.bf16_dot_products = true;
+  } else if (std::strcmp(forced, "on") == 0) {
+    c.error = std::string(
+                  "environment variable KDA_BF16_DOT_PRODUCTS: 'on' needs AVX512_BF16 and the avx512 "
+                  "target (target: ") +
+              target_name(c.target) + ")";
+  } else {
+    c.error = std::string("environment variable KDA_BF16_DOT_PRODUCTS: expected auto, on or off, got '") + forced + "'";
+  }
 }
 
 // The best target this CPU runs (avx512, else avx2, else generic), or the one KDA_CPU_TARGET
@@ -58,8 +95,9 @@ TargetChoice choose_target() {
 #endif
   c.target = has_avx512 ? CpuTarget::kAvx512 : has_avx2 ? CpuTarget::kAvx2 : CpuTarget::kGeneric;
   const char* forced = std::getenv("KDA_CPU_TARGET");
-  if (forced == nullptr || *forced == '\0') return c;
-  if (std::strcmp(forced, "generic") == 0) {
+  if (forced == nullptr || *forced == '\0') {
+    // nothing forced
+  } else if (std::strcmp(forced, "generic") == 0) {
     c.target = CpuTarget::kGeneric;
   } else if (std::strcmp(forced, "avx2") == 0 && has_avx2) {
     c.target = CpuTarget::kAvx2;
@@ -72,6 +110,7 @@ TargetChoice choose_target() {
     c.error =
         std::string("environment variable KDA_CPU_TARGET: expected generic, avx2 or avx512, got '") + forced + "'";
   }
+  if (c.error.empty()) choose_bf16_dot_products(c);
   return c;
 }
 
@@ -103,6 +142,14 @@ CpuTarget target() {
 
 const char* cpu_target() {
   return target_name(target());
+}
+
+bool cpu_bf16_dot_products() {
+  return choice().bf16_dot_products;
+}
+
+bool cpu::bf16_dot_products_enabled() {
+  return choice().bf16_dot_products;
 }
 
 // The work order and staged-buffer offsets of a validated problem.

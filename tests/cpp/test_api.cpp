@@ -90,5 +90,14 @@ TEST(Library, ReportsVersionAndTarget) {
   if (forced != nullptr && *forced != '\0') EXPECT_EQ(target, forced);
 }
 
+// bf16 dot products only on the avx512 target, and as KDA_BF16_DOT_PRODUCTS says where it is set
+// (ctest's kda_tests_bf16_dot_products_* run); the vendor rule itself: tests/python/test_misc.py.
+TEST(Library, ReportsBf16DotProducts) {
+  if (std::string(cpu_target()) != "avx512") EXPECT_FALSE(cpu_bf16_dot_products());
+  const char* forced = std::getenv("KDA_BF16_DOT_PRODUCTS");
+  if (forced != nullptr && std::string(forced) == "on") EXPECT_TRUE(cpu_bf16_dot_products());
+  if (forced != nullptr && std::string(forced) == "off") EXPECT_FALSE(cpu_bf16_dot_products());
+}
+
 }  // namespace
 }  // namespace kda::test

@@ -8,7 +8,7 @@ import textwrap
 
 import libkda
 import pytest
-from conftest import make_inputs
+from conftest import BF16, BOUND, make_inputs
 
 
 def test_version():
@@ -100,6 +100,78 @@ def test_unknown_cpu_target_is_an_error_of_every_call():
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "KDA_CPU_TARGET" in res.stdout and "avx9000" in res.stdout, res.stdout
+
+
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _run_with_bf16_dot_env(value):
+    # bf16 inputs (K = V = 32, two 16-token blocks past the first) through the fused forward: the
+    # setting in force and the relative error to the oracle, or the error every call raises.
+    code = textwrap.dedent("""
+        import numpy as np, ml_dtypes, libkda
+        rng = np.random.default_rng(3)
+        q, k = rng.standard_normal((2, 1, 90, 2, 32))
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        v = rng.standard_normal((1, 90, 2, 32))
+        g = -np.exp(rng.normal(-2, 1, (1, 90, 2, 32)))
+        beta = rng.uniform(0, 1, (1, 90, 2))
+        x = [a.astype(ml_dtypes.bfloat16) for a in (q, k, v, g, beta)]
+        try:
+            o, _ = libkda.chunk_kda(*x)
+        except ValueError as e:
+            print("error:", e)
+            raise SystemExit(0)
+        r, _ = libkda.naive_recurrent_kda(*x)
+        o, r = o.astype(np.float64), r.astype(np.float64)
+        print("ran:", libkda.cpu_bf16_dot_products(), np.sqrt(np.mean((o - r) ** 2) / np.mean(r ** 2)))
+    """)
+    env = dict(os.environ, KDA_BF16_DOT_PRODUCTS=value)
+    env.pop("KDA_CPU_TARGET", None)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.strip()
+
+
+def test_bf16_dot_products_follow_the_vendor_rule():
+    # Unset or auto: bf16 dot products on the avx512 target of an AVX512_BF16 CPU from AMD only
+    # (Intel's Xeons issue vdpbf16ps at half their FMA rate); off: never.
+    has = libkda.cpu_target() == "avx512" and "avx512_bf16" in _cpu_flags()
+    want = has and _cpu_vendor() == "AuthenticAMD"
+    if os.environ.get("KDA_CPU_TARGET") or os.environ.get("KDA_BF16_DOT_PRODUCTS"):
+        pytest.skip("the environment forces a CPU target or a product setting")
+    assert libkda.cpu_bf16_dot_products() is want
+    for value in ("", "auto"):
+        out = _run_with_bf16_dot_env(value)
+        assert out.startswith(f"ran: {want} "), out
+        assert float(out.split()[2]) <= BOUND[BF16], out
+    out = _run_with_bf16_dot_env("off")
+    assert out.startswith("ran: False "), out
+    assert float(out.split()[2]) <= BOUND[BF16], out
+
+
+def test_forced_bf16_dot_products_run_or_say_the_cpu_lacks_them():
+    # on: wherever the CPU has AVX512_BF16 on the avx512 target, within the bf16 bound of the oracle;
+    # elsewhere every call raises naming the variable.
+    out = _run_with_bf16_dot_env("on")
+    if _cpu_runs("avx512") and "avx512_bf16" in _cpu_flags() and platform.machine() in ("x86_64", "AMD64"):
+        assert out.startswith("ran: True "), out
+        assert float(out.split()[2]) <= BOUND[BF16], out
+    else:
+        assert "KDA_BF16_DOT_PRODUCTS" in out and "AVX512_BF16" in out, out
+
+
+def test_unknown_bf16_dot_products_setting_is_an_error_of_every_call():
+    out = _run_with_bf16_dot_env("fast")
+    assert out.startswith("error:") and "KDA_BF16_DOT_PRODUCTS" in out and "'fast'" in out, out
 
 
 def test_concurrent_calls_release_the_gil(rng):
