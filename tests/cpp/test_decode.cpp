@@ -141,9 +141,19 @@ TEST(DecodeExact, UntouchedSlotsAndPaddingRowsStayBitwiseUnchanged) {
   EXPECT_NE(after[6 * slot], before[6 * slot]) << "row 1 writes slot 6 after token 0";
 }
 
+// Whether a step that leaves the state unchanged stored a pool element back as it must: its own
+// bits, except that a bf16 denormal (exponent 0, magnitude below 2^-126: an fp32 denormal too)
+// reads as zero in the kernels' floating-point mode (src/core/fp_mode.hpp) and comes back as a zero
+// of either sign. fp16 denormals are normal fp32 numbers and are kept.
+bool stored_as_expected(DType pool_dtype, std::uint16_t before, std::uint16_t after) {
+  const bool bf16_denormal = pool_dtype == DType::kBF16 && (before & 0x7f80) == 0 && (before & 0x7f) != 0;
+  return bf16_denormal ? (after & 0x7fff) == 0 : after == before;
+}
+
 // One token with k = 0 and log decay 0 (S <- 1 * S + 0 r) on a narrow pool of 2 sequences x 2
 // value heads of K x V states in `slots` slots (rows 0 and 1 in the last slot and slot 0), whose
-// 16-bit elements `fill(pool_dtype, bits, n)` sets first; every element must come back bit for bit.
+// 16-bit elements `fill(pool_dtype, bits, n)` sets first; every element must come back as
+// stored_as_expected says.
 template <typename Fill>
 void expect_unchanged_state_keeps_pool_bits(std::int64_t K, std::int64_t V, std::int64_t slots, Fill fill) {
   for (const DType pool_dtype : {DType::kBF16, DType::kF16})
@@ -165,13 +175,17 @@ void expect_unchanged_state_keeps_pool_bits(std::int64_t K, std::int64_t V, std:
       const DecodeParams p = make_decode_params(dc, d, o, idx, acc);
       ASSERT_TRUE(decode(p).ok());
       for (std::int64_t i = 0; i < n; ++i)
-        ASSERT_EQ(bits[i], before[i]) << (pool_dtype == DType::kBF16 ? "bf16" : "fp16") << " pool, "
-                                      << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i
-                                      << " (pattern 0x" << std::hex << before[i] << std::dec << ")";
+        // slots between the first and the last are not addressed and keep every bit
+        ASSERT_TRUE(i / (n / slots) % (slots - 1) != 0 ? bits[i] == before[i]
+                                                       : stored_as_expected(pool_dtype, before[i], bits[i]))
+            << "stored 0x" << std::hex << bits[i] << std::dec << ", " << (pool_dtype == DType::kBF16 ? "bf16" : "fp16")
+            << " pool, " << (layout == StateLayout::kKFirst ? "K-first" : "V-first") << ", element " << i
+            << " (pattern 0x" << std::hex << before[i] << std::dec << ")";
     }
 }
 
-// A step that leaves the state as it was stores a narrow pool back bit for bit, denormals
+// A step that leaves the state as it was stores a narrow pool back bit for bit (bf16 denormals
+// excepted: they read as zero, stored_as_expected), fp16 denormals
 // included: the stores round to nearest even like detail::f32_to_bf16 / f32_to_f16
 // (vcvtneps2bf16, which the bf16 V-first kernel uses where the CPU has it, would flush the
 // denormals to zero). Both layouts (K-first with V = 40: the state converted into fp32 scratch and

@@ -177,31 +177,58 @@ TEST(Exact, BatchInvarianceAcrossBatchAndThreads) {
 }
 
 #if defined(__SSE__) || defined(__x86_64__)
-// The kernels compute in IEEE mode whatever the calling thread's (src/core/fp_mode.hpp): a caller
-// that flushes denormals (FTZ and DAZ set, as XLA's threads run) gets bitwise the results of one that
-// does not. With v near 1e-39 and no initial state every output is denormal, so flushing would zero
-// them. The mode is set around the library call only (the harness's conversions must not flush).
-TEST(Exact, ResultsIgnoreTheCallersDenormalMode) {
+// The kernels compute in one floating-point mode whatever the calling thread's (src/core/fp_mode.hpp:
+// round to nearest, denormals flushed): a caller that flushes denormals (FTZ and DAZ set, as XLA's
+// threads run) gets bitwise the results of one that does not, and so does a caller that rounds
+// toward zero. v near 1e-36 keeps the outputs normal while the products under them pass through
+// the denormal range. The mode is set around the library call only (the harness's conversions
+// must not flush).
+TEST(Exact, ResultsIgnoreTheCallersFloatingPointMode) {
   Case c;
   c.T = 70, c.H = 2, c.HV = 2, c.K = 32, c.V = 32;
   Inputs in = make_inputs(c);
   auto* v = reinterpret_cast<float*>(in.v.bytes.data());
-  for (std::int64_t i = 0; i < in.v.numel(); ++i) v[i] *= 1e-39f;
-  auto run = [&](bool flush) {
+  for (std::int64_t i = 0; i < in.v.numel(); ++i) v[i] *= 1e-36f;
+  auto run = [&](unsigned set_bits) {
     HostTensor o(DType::kF32, {c.B, c.T, c.HV, c.V}), ht(DType::kF32, {c.B, c.HV, c.K, c.V});
     const ForwardParams p = make_params(c, in, o, ht);
     const unsigned csr = _mm_getcsr();
-    if (flush) _mm_setcsr(csr | 0x8040u);  // flush-to-zero and denormals-are-zero
+    _mm_setcsr(csr | set_bits);
     const Status s = chunk_forward(p);
     _mm_setcsr(csr);
     EXPECT_TRUE(s.ok()) << s.message();
     return std::make_pair(o.bytes, ht.bytes);
   };
-  const auto ieee = run(false), flushing = run(true);
+  const auto ieee = run(0);
   const auto* o = reinterpret_cast<const float*>(ieee.first.data());
   ASSERT_TRUE(std::any_of(o, o + ieee.first.size() / 4, [](float x) { return x != 0.0f; }));
-  EXPECT_TRUE(ieee.first == flushing.first) << "o differs when the caller flushes denormals";
-  EXPECT_TRUE(ieee.second == flushing.second) << "the final state differs when the caller flushes denormals";
+  for (const auto& [bits, mode] :
+       {std::pair<unsigned, const char*>{0x8040u, "flushes denormals"}, {0x6000u, "rounds toward zero"}}) {
+    const auto other = run(bits);
+    EXPECT_TRUE(ieee.first == other.first) << "o differs when the caller " << mode;
+    EXPECT_TRUE(ieee.second == other.second) << "the final state differs when the caller " << mode;
+  }
+}
+
+// Denormal inputs read as zero (FTZ / DAZ in the kernels, src/core/fp_mode.hpp): v scaled into the
+// denormal range gives bitwise the outputs and final state of v = 0, fused and staged.
+TEST(Exact, DenormalInputsReadAsZero) {
+  for (const Path path : {Path::kFused, Path::kStaged}) {
+    Case c;
+    c.T = 70, c.H = 2, c.HV = 2, c.K = 32, c.V = 32;
+    c.path = path;
+    c.final_state = true;
+    Inputs in = make_inputs(c);
+    Inputs zero = in;
+    auto* v = reinterpret_cast<float*>(in.v.bytes.data());
+    for (std::int64_t i = 0; i < in.v.numel(); ++i) v[i] *= 1e-39f;
+    ASSERT_NE(std::fpclassify(v[1]), FP_NORMAL);
+    zero.v.fill(0.0);
+    const Outputs got = run_forward(c, in, false), want = run_forward(c, zero, false);
+    const std::string what = path == Path::kFused ? "fused" : "staged";
+    expect_bitwise(got.o, want.o, what + ": o");
+    expect_bitwise(got.ht, want.ht, what + ": final state");
+  }
 }
 #endif
 
