@@ -30,6 +30,20 @@ def test_memory_stats(rng):
     assert peak1 > cur0, "the staged path materializes tensors through the allocator"
 
 
+# The inputs x = [q, k, v, g, beta] (B = 1, T = 90, H = 2, K = V = 32) of the scripts the tests
+# below run in a subprocess with an environment variable set (the CPU choices are made once).
+_SUBPROCESS_INPUTS = textwrap.dedent("""
+    import numpy as np, ml_dtypes, libkda
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((2, 1, 90, 2, 32))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((1, 90, 2, 32))
+    g = -np.exp(rng.normal(-2, 1, (1, 90, 2, 32)))
+    beta = rng.uniform(0, 1, (1, 90, 2))
+    x = [a.astype({dtype}) for a in (q, k, v, g, beta)]
+""")
+
+
 def _cpu_flags():
     try:
         with open("/proc/cpuinfo") as f:
@@ -51,37 +65,38 @@ def _cpu_runs(target):
     return True
 
 
-@pytest.mark.parametrize("target", ["generic", "avx2", "avx512"])
-def test_forced_cpu_target_runs_or_says_the_cpu_lacks_it(target):
-    # KDA_CPU_TARGET forces a target: where the CPU runs it, its kernels agree with the oracle; where
-    # it does not (an x86 target on another CPU), every call raises naming the variable and the
-    # target instead of falling back in silence.
-    code = textwrap.dedent(f"""
-        import numpy as np, libkda
-        rng = np.random.default_rng(1)
-        q, k = rng.standard_normal((2, 1, 90, 2, 32))
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        v = rng.standard_normal((1, 90, 2, 32))
-        g = -np.exp(rng.normal(-2, 1, (1, 90, 2, 32)))
-        beta = rng.uniform(0, 1, (1, 90, 2))
-        x = [a.astype(np.float32) for a in (q, k, v, g, beta)]
+def _forward_in_subprocess(dtype, **env_vars):
+    """The forward on _SUBPROCESS_INPUTS in a fresh process with env_vars set (the library makes
+    its CPU choices once per process): 'ran: <cpu_target> <cpu_bf16_dot_products> <rel to the
+    oracle>', or 'error: <message>' where the call raised."""
+    code = _SUBPROCESS_INPUTS.format(dtype=dtype) + textwrap.dedent("""
         try:
             o, _ = libkda.chunk_kda(*x)
         except ValueError as e:
             print("error:", e)
             raise SystemExit(0)
         r, _ = libkda.naive_recurrent_kda(*x)
-        rel = np.sqrt(np.mean((o - r) ** 2) / np.mean(r ** 2))
-        print("ran:", libkda.cpu_target(), rel)
-        assert libkda.cpu_target() == "{target}" and rel <= 1e-5, rel
+        o, r = o.astype(np.float64), r.astype(np.float64)
+        print("ran:", libkda.cpu_target(), libkda.cpu_bf16_dot_products(),
+              np.sqrt(np.mean((o - r) ** 2) / np.mean(r ** 2)))
     """)
-    env = dict(os.environ, KDA_CPU_TARGET=target)
+    env = dict(os.environ, **env_vars)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.strip()
+
+
+@pytest.mark.parametrize("target", ["generic", "avx2", "avx512"])
+def test_forced_cpu_target_runs_or_says_the_cpu_lacks_it(target):
+    # KDA_CPU_TARGET forces a target: where the CPU runs it, its kernels agree with the oracle; where
+    # it does not (an x86 target on another CPU), every call raises naming the variable and the
+    # target instead of falling back in silence.
+    out = _forward_in_subprocess("np.float32", KDA_CPU_TARGET=target)
     if _cpu_runs(target) and platform.machine() in ("x86_64", "AMD64") or target == "generic":
-        assert res.stdout.startswith("ran: " + target), res.stdout
+        assert out.startswith("ran: " + target + " "), out
+        assert float(out.split()[3]) <= 1e-5, out
     else:
-        assert "KDA_CPU_TARGET" in res.stdout and "not supported by this CPU" in res.stdout, res.stdout
+        assert "KDA_CPU_TARGET" in out and "not supported by this CPU" in out, out
 
 
 def test_unknown_cpu_target_is_an_error_of_every_call():
@@ -114,31 +129,10 @@ def _cpu_vendor():
 
 
 def _run_with_bf16_dot_env(value):
-    # bf16 inputs (K = V = 32, two 16-token blocks past the first) through the fused forward: the
-    # setting in force and the relative error to the oracle, or the error every call raises.
-    code = textwrap.dedent("""
-        import numpy as np, ml_dtypes, libkda
-        rng = np.random.default_rng(3)
-        q, k = rng.standard_normal((2, 1, 90, 2, 32))
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        v = rng.standard_normal((1, 90, 2, 32))
-        g = -np.exp(rng.normal(-2, 1, (1, 90, 2, 32)))
-        beta = rng.uniform(0, 1, (1, 90, 2))
-        x = [a.astype(ml_dtypes.bfloat16) for a in (q, k, v, g, beta)]
-        try:
-            o, _ = libkda.chunk_kda(*x)
-        except ValueError as e:
-            print("error:", e)
-            raise SystemExit(0)
-        r, _ = libkda.naive_recurrent_kda(*x)
-        o, r = o.astype(np.float64), r.astype(np.float64)
-        print("ran:", libkda.cpu_bf16_dot_products(), np.sqrt(np.mean((o - r) ** 2) / np.mean(r ** 2)))
-    """)
-    env = dict(os.environ, KDA_BF16_DOT_PRODUCTS=value)
-    env.pop("KDA_CPU_TARGET", None)
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout.strip()
+    # bf16 inputs (K = V = 32, two 16-token blocks past the first) with the setting given.
+    env = {"KDA_BF16_DOT_PRODUCTS": value, "KDA_CPU_TARGET": ""}
+    out = _forward_in_subprocess("ml_dtypes.bfloat16", **env)
+    return out if out.startswith("error:") else "ran: " + " ".join(out.split()[2:])
 
 
 def test_bf16_dot_products_follow_the_vendor_rule():
