@@ -1,6 +1,8 @@
 // The floating-point mode every kernel thread computes in.
 #pragma once
 
+#include <cstdint>
+
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
@@ -33,7 +35,14 @@ enum class FpMode : unsigned {
 // against 244 (docs/PERF.md, thirtieth session); AMD's Zen cores handle denormals without assists
 // and lose nothing. Values below FLT_MIN (1.2e-38) are far below what SPEC.md 4's relative bounds
 // can see, as XLA's CPU backend and GPU kernels (which flush in their fp32 fast paths) assume too.
-// Other ISAs keep their default environment (AArch64 cores handle denormals at full speed).
+// AArch64 gets the same two modes through FPCR (FZ flushes denormal operands and results alike), so
+// that a denormal reads as zero on every CPU the library targets; other ISAs keep their default
+// environment (KDA_KERNELS_FLUSH_DENORMALS says which).
+#if defined(__SSE__) || defined(__x86_64__) || defined(__aarch64__)
+#define KDA_KERNELS_FLUSH_DENORMALS 1
+#else
+#define KDA_KERNELS_FLUSH_DENORMALS 0
+#endif
 template <FpMode kMode>
 class ScopedFpMode {
  public:
@@ -48,8 +57,32 @@ class ScopedFpMode {
  private:
   static constexpr unsigned kFlags = 0x3f;  // the sticky exception flags
   unsigned saved_;
+#elif defined(__aarch64__)
+  // FPCR: FZ (bit 24), default NaN (25), rounding mode (22-23) and the trap enables (8-12, 15)
+  // are set; the exception flags live in FPSR and are left alone.
+  ScopedFpMode() : saved_(read_fpcr()) {
+    const std::uint64_t fz = kMode == FpMode::kFlushDenormals ? kFz : 0;
+    write_fpcr((saved_ & ~kControlled) | fz);
+  }
+  ~ScopedFpMode() {
+    write_fpcr(saved_);
+  }
+
+ private:
+  static constexpr std::uint64_t kFz = std::uint64_t{1} << 24;
+  static constexpr std::uint64_t kControlled =
+      kFz | (std::uint64_t{1} << 25) | (std::uint64_t{3} << 22) | (std::uint64_t{0x1f} << 8) | (std::uint64_t{1} << 15);
+  static std::uint64_t read_fpcr() {
+    std::uint64_t v;
+    asm volatile("mrs %0, fpcr" : "=r"(v));
+    return v;
+  }
+  static void write_fpcr(std::uint64_t v) {
+    asm volatile("msr fpcr, %0" : : "r"(v));
+  }
+  std::uint64_t saved_;
 #else
-  ScopedFpMode() = default;  // other ISAs: the default environment is assumed
+  ScopedFpMode() {}  // other ISAs: the default environment is assumed (user-provided: no unused warning)
 #endif
   ScopedFpMode(const ScopedFpMode&) = delete;
   ScopedFpMode& operator=(const ScopedFpMode&) = delete;
