@@ -284,13 +284,17 @@ double forward_flops(const Config& cfg, const Workload& w) {
   return static_cast<double>(w.B * w.T * w.HV) * (2 * C * (3.0 * w.K + 2.0 * w.V) + 6.0 * w.K * w.V);
 }
 
-Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const std::string& suite) {
+Record run_forward(const Config& cfg, const Workload& w, kda::Path path, const std::string& suite,
+                   const std::function<void()>& between = {}) {
   Problem pb(cfg, w, false);
   pb.fwd.options.path = path;
-  Record r = measure(cfg, w, suite, kda::path_name(path), [&] {
-    check(kda::chunk_forward(pb.fwd));
-    return std::int64_t{0};
-  });
+  Record r = measure(
+      cfg, w, suite, kda::path_name(path),
+      [&] {
+        check(kda::chunk_forward(pb.fwd));
+        return std::int64_t{0};
+      },
+      0, between);
   r.gflops = forward_flops(cfg, w) / (r.median_ms * 1e-3) / 1e9;
   return r;
 }
@@ -417,6 +421,27 @@ std::vector<Record> forward_suite(const Config& cfg, const std::string& suite) {
   if (cfg.baseline) paths.push_back(kda::Path::kStaged);
   for (kda::Path path : paths) {
     progress(suite, kda::path_name(path), w);
+    if (suite == "forward-packed" && path == kda::Path::kFused) {
+      // The fixed-length forward of as many tokens timed after every packed call (side_ms), so
+      // that issue 5's packed / fixed ratio compares times taken under the same load: a ratio of
+      // two suites' medians moved between 0.73x and 1.18x in runs AQ and AR (docs/PERF.md).
+      const std::int64_t before = kda::memory_stats().current_bytes;
+      Problem fixed(cfg, make_workload(cfg, "forward"), false);
+      fixed.fwd.options.path = kda::Path::kFused;
+      const std::int64_t fixed_bytes = kda::memory_stats().current_bytes - before;
+      std::vector<double> fixed_ms;
+      Record r = run_forward(cfg, w, path, suite, [&] {
+        const auto t0 = std::chrono::steady_clock::now();
+        check(kda::chunk_forward(fixed.fwd));
+        fixed_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      });
+      r.peak_bytes -= fixed_bytes;  // the fixed-length problem is the comparison's, not the packed call's
+      // the first calls, after the warm-up ones, are the fixed problem's own warm-up
+      fixed_ms.erase(fixed_ms.begin(), fixed_ms.begin() + std::min<std::ptrdiff_t>(cfg.warmup, fixed_ms.size() - 1));
+      r.side_ms = median(fixed_ms);
+      recs.push_back(r);
+      continue;
+    }
     recs.push_back(run_forward(cfg, w, path, suite));
   }
   if (cfg.baseline)
@@ -777,10 +802,17 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
                   f32->shape.c_str(), f32->pct_of_limit);
     add(f32->pct_of_limit >= 45);
   }
-  if (const Record* packed = find(recs, "forward-packed", "fused"); packed && fwd) {
-    const double ratio = packed->median_ms / fwd->median_ms;
-    std::snprintf(buf, sizeof buf, "packed forward (%s): %.2fx the fixed-length time (target <= 1.15x)",
-                  packed->shape.c_str(), ratio);
+  if (const Record* packed = find(recs, "forward-packed", "fused"); packed && packed->side_ms > 0) {
+    // Judged on the fixed-length forward timed alternately with the packed one (same load); the
+    // ratio to the forward suite's median, timed minutes apart, is printed beside it.
+    const double ratio = packed->median_ms / packed->side_ms;
+    char apart[80] = "";
+    if (fwd && fwd->dtype == packed->dtype)
+      std::snprintf(apart, sizeof apart, "; %.2fx the forward suite's median", packed->median_ms / fwd->median_ms);
+    std::snprintf(buf, sizeof buf,
+                  "packed forward (%s): %.2fx the fixed-length forward timed alternately with it (target <= "
+                  "1.15x%s)",
+                  packed->shape.c_str(), ratio, apart);
     add(ratio <= 1.15);
   }
   for (const char* suite : {"backward", "backward-packed"})
@@ -925,6 +957,10 @@ int main(int argc, char** argv) {
       std::printf("scaling: %s %.1f ms, %s %.1f ms (%.2fx)\n", one->path.c_str(), one->median_ms, many->path.c_str(),
                   many->median_ms, one->median_ms / many->median_ms);
   }
+  if (const Record* packed = find(recs, "forward-packed", "fused"); packed && packed->side_ms > 0)
+    std::printf(
+        "forward-packed: %.2fx the fixed-length forward of as many tokens timed alternately with it (%.2f ms)\n",
+        packed->median_ms / packed->side_ms, packed->side_ms);
   for (const std::string& suite : suites) {
     if (const Record* f = find(recs, suite, "fused"); f && find(recs, suite, "staged")) {
       const Record* st = find(recs, suite, "staged");
