@@ -23,11 +23,6 @@ struct CpuPlan {
   std::int64_t total_chunks = 0;
 };
 
-// Whether bf16 inputs' state products run as bf16 pair dot products where Options::
-// bf16_dot_products allows them: the avx512 target on a CPU with AVX512_BF16 that issues them
-// as fast as fp32 FMAs, or as KDA_BF16_DOT_PRODUCTS forces (dispatch.cpp says why).
-bool bf16_dot_products_enabled();
-
 #define KDA_DECLARE_CPU_TARGET(ns)                                                                    \
   namespace ns {                                                                                      \
   Status forward(const detail::Problem& problem, const ForwardParams& params, const CpuPlan& plan);   \

@@ -148,10 +148,6 @@ bool cpu_bf16_dot_products() {
   return choice().bf16_dot_products;
 }
 
-bool cpu::bf16_dot_products_enabled() {
-  return choice().bf16_dot_products;
-}
-
 // The work order and staged-buffer offsets of a validated problem.
 struct PlanStorage {
   std::vector<std::int64_t> order, row_offset, chunk_segment;
