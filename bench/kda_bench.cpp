@@ -246,6 +246,15 @@ void check(const kda::Status& s) {
   }
 }
 
+// One forward call of `fwd`, its milliseconds appended to `ms`: the comparison a suite times
+// after every call of the path it measures (side_ms), so that a ratio compares times taken under
+// the same load.
+void timed_forward(const kda::ForwardParams& fwd, std::vector<double>& ms) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check(kda::chunk_forward(fwd));
+  ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+}
+
 // Times `call` (warm-up excluded), recording median/min/max and the measured peak memory.
 // `held_bytes`: buffers of the call allocated before it (the residual), counted as extra memory.
 // `between`, when given, runs after every timed call, untimed.
@@ -430,11 +439,7 @@ std::vector<Record> forward_suite(const Config& cfg, const std::string& suite) {
       fixed.fwd.options.path = kda::Path::kFused;
       const std::int64_t fixed_bytes = kda::memory_stats().current_bytes - before;
       std::vector<double> fixed_ms;
-      Record r = run_forward(cfg, w, path, suite, [&] {
-        const auto t0 = std::chrono::steady_clock::now();
-        check(kda::chunk_forward(fixed.fwd));
-        fixed_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      });
+      Record r = run_forward(cfg, w, path, suite, [&] { timed_forward(fixed.fwd, fixed_ms); });
       r.peak_bytes -= fixed_bytes;  // the fixed-length problem is the comparison's, not the packed call's
       // the first calls, after the warm-up ones, are the fixed problem's own warm-up
       fixed_ms.erase(fixed_ms.begin(), fixed_ms.begin() + std::min<std::ptrdiff_t>(cfg.warmup, fixed_ms.size() - 1));
@@ -470,9 +475,7 @@ std::vector<Record> backward_suite(const Config& cfg, const std::string& suite) 
     std::vector<double> forward_ms;
     Record r = run_training_step(cfg, w, pb, kda::Path::kFused, kind, suite, [&] {
       pb.fwd.options.path = kda::Path::kFused;
-      const auto t0 = std::chrono::steady_clock::now();
-      check(kda::chunk_forward(pb.fwd));
-      forward_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      timed_forward(pb.fwd, forward_ms);
     });
     r.side_ms = median(forward_ms);
     return r;
@@ -541,12 +544,7 @@ std::vector<Record> inference_suite(const Config& cfg) {
           check(kda::chunk_forward(pb.fwd));
           return std::int64_t{0};
         },
-        residual,
-        [&] {
-          const auto t0 = std::chrono::steady_clock::now();
-          check(kda::chunk_forward(fwd));
-          train_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-        });
+        residual, [&] { timed_forward(fwd, train_ms); });
     inf.peak_bytes -= residual;  // the kept residual is the training forward's, held throughout
     inf.side_ms = median(train_ms);
     progress("inference", "training-forward", w);
