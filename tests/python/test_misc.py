@@ -44,15 +44,20 @@ _SUBPROCESS_INPUTS = textwrap.dedent("""
 """)
 
 
-def _cpu_flags():
+def _cpuinfo_field(*names):
+    """The first /proc/cpuinfo line's value whose key starts with one of names ("" if none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags():
+    return set(_cpuinfo_field("flags", "Features").split())
 
 
 def _cpu_runs(target):
@@ -117,17 +122,6 @@ def test_unknown_cpu_target_is_an_error_of_every_call():
     assert "KDA_CPU_TARGET" in res.stdout and "avx9000" in res.stdout, res.stdout
 
 
-def _cpu_vendor():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def _run_with_bf16_dot_env(value):
     # bf16 inputs (K = V = 32, two 16-token blocks past the first) with the setting given.
     env = {"KDA_BF16_DOT_PRODUCTS": value, "KDA_CPU_TARGET": ""}
@@ -139,7 +133,7 @@ def test_bf16_dot_products_follow_the_vendor_rule():
     # Unset or auto: bf16 dot products on the avx512 target of an AVX512_BF16 CPU from AMD only
     # (Intel's Xeons issue vdpbf16ps at half their FMA rate); off: never.
     has = libkda.cpu_target() == "avx512" and "avx512_bf16" in _cpu_flags()
-    want = has and _cpu_vendor() == "AuthenticAMD"
+    want = has and _cpuinfo_field("vendor_id") == "AuthenticAMD"
     if os.environ.get("KDA_CPU_TARGET") or os.environ.get("KDA_BF16_DOT_PRODUCTS"):
         pytest.skip("the environment forces a CPU target or a product setting")
     assert libkda.cpu_bf16_dot_products() is want
