@@ -823,15 +823,28 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
     }
   for (const Record& r : recs)
     if (r.suite == "decode" && r.path != "oracle-loop" && r.shape.rfind("N=64 T=1 ", 0) == 0) {
-      // Shown rounded down, so that a printed 85.0% is never a miss.
+      // Judged on the in-place stream over the same bytes timed alternately with the decode steps
+      // (the bandwidth the machine gave at that moment), as the packed row is judged on the forward
+      // timed beside it. The limit measured at the start is printed too: the two agree on a quiet
+      // machine (today's decode-only runs: stream beside 39.2-42.6 GB/s against limits of
+      // 39.5-42.8), but the shared machine's bandwidth moves by up to 2x within minutes, which
+      // swung the limit reading of the same kernel over 49-92% while the side-by-side one stayed
+      // at 87-99% (docs/PERF.md, thirty-first session). Shown rounded down, so that a printed 85.0%
+      // is never a miss.
       const double beside = std::floor(1000.0 * r.gbps / r.side_gbps) / 10,
-                   limit = std::floor(10 * r.pct_of_limit) / 10;
+                   limit = std::floor(10 * r.pct_of_limit) / 10,
+                   stream_vs_limit = 100.0 * r.side_gbps / limits.bandwidth_gbps;
+      char loaded[160] = "";
+      if (stream_vs_limit < 90)
+        std::snprintf(loaded, sizeof loaded,
+                      "; the stream beside it ran at %.0f%% of the limit: memory was busier during this suite "
+                      "than when the limit was measured",
+                      stream_vs_limit);
       std::snprintf(buf, sizeof buf,
-                    "%s decode (%s): %.1f%% of the measured bandwidth, %.1f%% of the in-place stream timed beside "
-                    "it (target >= 85%%; %s against the limit, %s against the stream beside it)",
-                    r.path == "decode" ? "K-first" : "V-first", r.shape.c_str(), limit, beside,
-                    limit >= 85 ? "met" : "not met", beside >= 85 ? "met" : "not met");
-      add(limit >= 85 && beside >= 85);
+                    "%s decode (%s): %.1f%% of the in-place stream timed beside it (target >= 85%%; %.1f%% of the "
+                    "limit measured at the start%s)",
+                    r.path == "decode" ? "K-first" : "V-first", r.shape.c_str(), beside, limit, loaded);
+      add(beside >= 85);
     }
   if (const ScalingSpread sc = scaling_spread(recs); sc.count > 1) {
     std::snprintf(buf, sizeof buf, "time per token over %d values of T: varies by %.0f%% max / min (target <= 15%%)",
