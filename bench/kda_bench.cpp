@@ -837,7 +837,7 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
       char loaded[160] = "";
       if (stream_vs_limit < 90)
         std::snprintf(loaded, sizeof loaded,
-                      "; the stream beside it ran at %.0f%% of the limit: memory was busier during this suite "
+                      "; the stream beside it ran at %.1f%% of the limit: memory was busier during this suite "
                       "than when the limit was measured",
                       stream_vs_limit);
       std::snprintf(buf, sizeof buf,
