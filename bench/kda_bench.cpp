@@ -776,6 +776,10 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
   std::vector<std::pair<bool, std::string>> lines;
   char buf[600];
   auto add = [&](bool met) { lines.emplace_back(met, buf); };
+  // Each line is judged on the figure it prints: percentages rounded down and ratios up, to one
+  // and two decimals, so that a printed 45.0% or 1.15x is never a miss.
+  auto pct_shown = [](double pct) { return std::floor(10 * pct) / 10; };
+  auto ratio_shown = [](double ratio) { return std::ceil(100 * ratio) / 100; };
   const Record* fwd = find(recs, "forward", "fused");
   if (fwd && fwd->dtype == "bf16") {
     // Where the CPU has bf16 dot products but issues them slower than its fp32 FMAs (Intel's
@@ -790,20 +794,22 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
                     limits.bf16_dot_gflops, limits.fp32_fma_gflops);
     else if (!bf16_products)
       std::snprintf(why, sizeof why, "; no bf16 dot products on this CPU and target, the fp32 FMA peak stands in");
-    std::snprintf(buf, sizeof buf, "bf16 forward (%s): %.0f%% of the %s (target >= 50%% of the bf16 dot peak%s)",
-                  fwd->shape.c_str(), fwd->pct_of_limit, bf16_products ? "bf16 dot peak" : "fp32 FMA peak", why);
-    add(fwd->pct_of_limit >= 50);
+    const double pct = pct_shown(fwd->pct_of_limit);
+    std::snprintf(buf, sizeof buf, "bf16 forward (%s): %.1f%% of the %s (target >= 50%% of the bf16 dot peak%s)",
+                  fwd->shape.c_str(), pct, bf16_products ? "bf16 dot peak" : "fp32 FMA peak", why);
+    add(pct >= 50);
   }
   const Record* f32 = fwd && fwd->dtype == "fp32" ? fwd : find(recs, "forward-fp32", "fused");
   if (f32) {
-    std::snprintf(buf, sizeof buf, "fp32 forward (%s): %.0f%% of the fp32 FMA peak (target >= 45%%)",
-                  f32->shape.c_str(), f32->pct_of_limit);
-    add(f32->pct_of_limit >= 45);
+    const double pct = pct_shown(f32->pct_of_limit);
+    std::snprintf(buf, sizeof buf, "fp32 forward (%s): %.1f%% of the fp32 FMA peak (target >= 45%%)",
+                  f32->shape.c_str(), pct);
+    add(pct >= 45);
   }
   if (const Record* packed = find(recs, "forward-packed", "fused"); packed && packed->side_ms > 0) {
     // Judged on the fixed-length forward timed alternately with the packed one (same load); the
     // ratio to the forward suite's median, timed minutes apart, is printed beside it.
-    const double ratio = packed->median_ms / packed->side_ms;
+    const double ratio = ratio_shown(packed->median_ms / packed->side_ms);
     char apart[80] = "";
     if (fwd && fwd->dtype == packed->dtype)
       std::snprintf(apart, sizeof apart, "; %.2fx the forward suite's median", packed->median_ms / fwd->median_ms);
@@ -815,11 +821,12 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
   }
   for (const char* suite : {"backward", "backward-packed"})
     if (const Record* step = find(recs, suite, "fused-saved")) {
+      const double pct = pct_shown(step->pct_of_limit);
       std::snprintf(buf, sizeof buf,
-                    "%s fwd+bwd, saved states (%s): %.0f%% of the peak by the 3x FLOP model "
+                    "%s fwd+bwd, saved states (%s): %.1f%% of the peak by the 3x FLOP model "
                     "(target >= 35%%)",
-                    suite, step->shape.c_str(), step->pct_of_limit);
-      add(step->pct_of_limit >= 35);
+                    suite, step->shape.c_str(), pct);
+      add(pct >= 35);
     }
   for (const Record& r : recs)
     if (r.suite == "decode" && r.path != "oracle-loop" && r.shape.rfind("N=64 T=1 ", 0) == 0) {
@@ -829,10 +836,8 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
       // machine (today's decode-only runs: stream beside 39.2-42.6 GB/s against limits of
       // 39.5-42.8), but the shared machine's bandwidth moves by up to 2x within minutes, which
       // swung the limit reading of the same kernel over 49-92% while the side-by-side one stayed
-      // at 87-99% (docs/PERF.md, thirty-first session). Shown rounded down, so that a printed 85.0%
-      // is never a miss.
-      const double beside = std::floor(1000.0 * r.gbps / r.side_gbps) / 10,
-                   limit = std::floor(10 * r.pct_of_limit) / 10,
+      // at 87-99% (docs/PERF.md, thirty-first session).
+      const double beside = pct_shown(100.0 * r.gbps / r.side_gbps), limit = pct_shown(r.pct_of_limit),
                    stream_vs_limit = 100.0 * r.side_gbps / limits.bandwidth_gbps;
       char loaded[160] = "";
       if (stream_vs_limit < 90)
@@ -847,9 +852,10 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
       add(beside >= 85);
     }
   if (const ScalingSpread sc = scaling_spread(recs); sc.count > 1) {
-    std::snprintf(buf, sizeof buf, "time per token over %d values of T: varies by %.0f%% max / min (target <= 15%%)",
-                  sc.count, 100.0 * sc.variation());
-    add(sc.variation() <= 0.15);
+    const double spread = std::ceil(1000.0 * sc.variation()) / 10;  // percent, rounded up
+    std::snprintf(buf, sizeof buf, "time per token over %d values of T: varies by %.1f%% max / min (target <= 15%%)",
+                  sc.count, spread);
+    add(spread <= 15);
   }
   if (lines.empty()) return;
   std::printf("\nissue 5 targets (docs/PERF.md; set for the SPEC.md section 5 shapes, the defaults), from this run:\n");
