@@ -832,11 +832,11 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
     if (r.suite == "decode" && r.path != "oracle-loop" && r.shape.rfind("N=64 T=1 ", 0) == 0) {
       // Judged on the in-place stream over the same bytes timed alternately with the decode steps
       // (the bandwidth the machine gave at that moment), as the packed row is judged on the forward
-      // timed beside it. The limit measured at the start is printed too: the two agree on a quiet
-      // machine (today's decode-only runs: stream beside 39.2-42.6 GB/s against limits of
-      // 39.5-42.8), but the shared machine's bandwidth moves by up to 2x within minutes, which
-      // swung the limit reading of the same kernel over 49-92% while the side-by-side one stayed
-      // at 87-99% (docs/PERF.md, thirty-first session).
+      // timed beside it. The run's bandwidth limit (measured before and after the suites) is
+      // printed too: the two agree on a quiet machine (decode-only runs on 2026-12-07: streams
+      // beside of 39.2-42.6 GB/s against limits of 39.5-42.8), but the shared machine's bandwidth
+      // moves by up to 2x within minutes, which swung the limit reading of the same kernel over
+      // 49-92% while the side-by-side one stayed at 86-99% (docs/PERF.md, thirty-first session).
       const double beside = pct_shown(100.0 * r.gbps / r.side_gbps), limit = pct_shown(r.pct_of_limit),
                    stream_vs_limit = 100.0 * r.side_gbps / limits.bandwidth_gbps;
       char loaded[160] = "";
@@ -847,7 +847,7 @@ void print_targets(const std::vector<Record>& recs, bool bf16_products, const kd
                       stream_vs_limit);
       std::snprintf(buf, sizeof buf,
                     "%s decode (%s): %.1f%% of the in-place stream timed beside it (target >= 85%%; %.1f%% of the "
-                    "limit measured at the start%s)",
+                    "run's bandwidth limit%s)",
                     r.path == "decode" ? "K-first" : "V-first", r.shape.c_str(), beside, limit, loaded);
       add(beside >= 85);
     }
