@@ -23,6 +23,10 @@ struct CpuPlan {
   std::int64_t total_chunks = 0;
 };
 
+// Whether large K-first decode calls run in column strips on this CPU (dispatch.cpp,
+// choose_decode_strips: AMD's default, KDA_DECODE_STRIPS=auto|on|off).
+bool k_first_decode_strips();
+
 #define KDA_DECLARE_CPU_TARGET(ns)                                                                    \
   namespace ns {                                                                                      \
   Status forward(const detail::Problem& problem, const ForwardParams& params, const CpuPlan& plan);   \

@@ -29,8 +29,9 @@ enum class CpuTarget { kGeneric, kAvx2, kAvx512 };
 struct TargetChoice {
   CpuTarget target = CpuTarget::kGeneric;
   bool bf16_dot_products = false;  // bf16 inputs' state products as vdpbf16ps (choose_bf16_dot_products)
-  // KDA_CPU_TARGET names no target this CPU runs, or KDA_BF16_DOT_PRODUCTS no setting it can
-  // honour: every kernel call fails with this
+  bool decode_strips = false;      // large K-first decode calls in column strips (choose_decode_strips)
+  // KDA_CPU_TARGET names no target this CPU runs, or KDA_BF16_DOT_PRODUCTS or KDA_DECODE_STRIPS
+  // no setting it can honour: every kernel call fails with this
   std::string error;
 };
 
@@ -80,6 +81,28 @@ void choose_bf16_dot_products(TargetChoice& c) {
   }
 }
 
+// Whether one-token decode calls on K-first fp32 pools whose states pass the caches
+// (decode_kernels.inc, kKFirstStripMinBytes) run each state in strips of columns
+// (decode_k_first_strips) or in passes over whole rows. Both give the same bits; which is faster
+// depends on the core: on AMD's Zen 4 strips were ahead from batch 32 (the note at
+// kKFirstStripMinBytes), on this project's Emerald Rapids whole rows are (batch 64, 10 alternated
+// runs: medians 94% against 88% of the stream beside them, 42.1 against 38.7 GB/s; docs/PERF.md,
+// thirty-second session), so strips are AMD's default only.
+// KDA_DECODE_STRIPS=on takes strips on any CPU, off never (ctest runs the decode tests with the
+// setting the vendor rule does not pick, so both kernels are tested on either vendor).
+void choose_decode_strips(TargetChoice& c) {
+#if defined(KDA_HAVE_X86_TARGETS)
+  c.decode_strips = __builtin_cpu_is("amd");
+#endif
+  const char* forced = std::getenv("KDA_DECODE_STRIPS");
+  if (forced == nullptr || *forced == '\0' || std::strcmp(forced, "auto") == 0) return;
+  if (std::strcmp(forced, "on") == 0 || std::strcmp(forced, "off") == 0) {
+    c.decode_strips = std::strcmp(forced, "on") == 0;
+  } else {
+    c.error = std::string("environment variable KDA_DECODE_STRIPS: expected auto, on or off, got '") + forced + "'";
+  }
+}
+
 // The best target this CPU runs (avx512, else avx2, else generic), or the one KDA_CPU_TARGET
 // names (tests run the suite on each target the CPU has). A name that is no target, or a target
 // this CPU lacks, is an error of every kernel call rather than a silent fallback.
@@ -111,6 +134,7 @@ TargetChoice choose_target() {
         std::string("environment variable KDA_CPU_TARGET: expected generic, avx2 or avx512, got '") + forced + "'";
   }
   if (c.error.empty()) choose_bf16_dot_products(c);
+  if (c.error.empty()) choose_decode_strips(c);
   return c;
 }
 
@@ -147,6 +171,12 @@ const char* cpu_target() {
 bool cpu_bf16_dot_products() {
   return choice().bf16_dot_products;
 }
+
+namespace cpu {
+bool k_first_decode_strips() {
+  return choice().decode_strips;
+}
+}  // namespace cpu
 
 // The work order and staged-buffer offsets of a validated problem.
 struct PlanStorage {

@@ -2,10 +2,13 @@
 // section 3): against the fp64 oracle, against prefill, and the pool's exact contracts
 // (untouched slots, padding rows, errors that write nothing).
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "core/fp_mode.hpp"
+#include "cpu/cpu_plan.hpp"
 #include "decode_cases.hpp"
 #include "test_util.hpp"
 
@@ -313,8 +316,10 @@ TEST(DecodeExact, NoTokensLeavesThePoolUntouched) {
   }
 }
 
-// A call whose K-first states pass 32 MB (cpu kKFirstStripMinBytes) decodes each state in column
-// strips, smaller calls in whole-row passes: both sum in row order, so one large call gives the
+// Where the CPU takes strips (AMD, or KDA_DECODE_STRIPS=on, which ctest's second decode run sets
+// on other CPUs: DecodeStrips.FollowTheVendorRuleOrTheEnvironment), a call whose K-first states
+// pass 32 MB (cpu kKFirstStripMinBytes) decodes each state in column strips, smaller calls in
+// whole-row passes (elsewhere both do): both sum in row order, so one large call gives the
 // bits of the same rows decoded a few at a time (batch invariance), and the oracle's values. Row 3
 // is padding. Shapes (K, V, T): V = 128, whole strips of two vectors; V = 112, three strips of two
 // vectors and one of one on 16 lanes; K = 127 with V = 120, an odd number of rows and a strip of
@@ -374,6 +379,21 @@ INSTANTIATE_TEST_SUITE_P(Decode, DecodeLargeCalls,
                          ::testing::Values(LargeDecodeShape{128, 128, 1}, LargeDecodeShape{128, 112, 1},
                                            LargeDecodeShape{127, 120, 1}, LargeDecodeShape{128, 128, 17}),
                          [](const ::testing::TestParamInfo<LargeDecodeShape>& i) { return shape_name(i.param); });
+
+// Large K-first decode calls take column strips on AMD CPUs and whole-row passes elsewhere unless
+// KDA_DECODE_STRIPS says otherwise (src/cpu/dispatch.cpp, choose_decode_strips), so the run of
+// DecodeLargeCalls under the other setting does test the other kernel.
+TEST(DecodeStrips, FollowTheVendorRuleOrTheEnvironment) {
+  const char* env = std::getenv("KDA_DECODE_STRIPS");
+  const std::string forced = env ? env : "";
+  bool want = false;
+#if defined(__x86_64__) || defined(_M_X64)
+  want = __builtin_cpu_is("amd");
+#endif
+  if (forced == "on") want = true;
+  if (forced == "off") want = false;
+  EXPECT_EQ(cpu::k_first_decode_strips(), want) << "KDA_DECODE_STRIPS='" << forced << "'";
+}
 
 // Decodes dc with its pool copied to `offset` bytes past a 64-byte line; o and the pool after.
 void decode_at_offset(const DecodeCase& dc, DecodeData& d, std::size_t offset, std::vector<double>* o_out,

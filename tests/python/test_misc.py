@@ -162,6 +162,20 @@ def test_unknown_bf16_dot_products_setting_is_an_error_of_every_call():
     assert out.startswith("error:") and "KDA_BF16_DOT_PRODUCTS" in out and "'fast'" in out, out
 
 
+@pytest.mark.parametrize("value", ["", "auto", "on", "off"])
+def test_decode_strips_settings_run(value):
+    # KDA_DECODE_STRIPS only picks between two kernels that give the same bits (ctest runs the
+    # decode tests under the setting the vendor rule does not pick); every setting is accepted.
+    out = _forward_in_subprocess("np.float32", KDA_DECODE_STRIPS=value, KDA_CPU_TARGET="")
+    assert out.startswith("ran: "), out
+    assert float(out.split()[3]) <= 1e-5, out
+
+
+def test_unknown_decode_strips_setting_is_an_error_of_every_call():
+    out = _forward_in_subprocess("np.float32", KDA_DECODE_STRIPS="sometimes", KDA_CPU_TARGET="")
+    assert out.startswith("error:") and "KDA_DECODE_STRIPS" in out and "'sometimes'" in out, out
+
+
 def test_concurrent_calls_release_the_gil(rng):
     # Calls from several Python threads run concurrently and give the serial results.
     from concurrent.futures import ThreadPoolExecutor
