@@ -47,6 +47,18 @@ const char* target_name(CpuTarget t) {
   return "generic";
 }
 
+// An auto|on|off environment setting: kRule (the caller's vendor rule) for auto or unset; any
+// other value sets c.error, naming the variable and the value.
+enum class Setting { kRule, kOn, kOff, kInvalid };
+Setting read_setting(const char* name, TargetChoice& c) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return Setting::kRule;
+  if (std::strcmp(value, "on") == 0) return Setting::kOn;
+  if (std::strcmp(value, "off") == 0) return Setting::kOff;
+  c.error = std::string("environment variable ") + name + ": expected auto, on or off, got '" + value + "'";
+  return Setting::kInvalid;
+}
+
 // Whether bf16 inputs take the avx512 target's bf16 pair dot products (vdpbf16ps, fp32
 // accumulation; Options::bf16_dot_products permitting) or fp32 FMAs. One vdpbf16ps does 32 pair
 // products, twice an fp32 FMA's flops, but only pays where the CPU issues it as fast as its FMAs:
@@ -64,20 +76,14 @@ void choose_bf16_dot_products(TargetChoice& c) {
   has_bf16 = c.target == CpuTarget::kAvx512 && __builtin_cpu_supports("avx512bf16");
   pays = __builtin_cpu_is("amd");
 #endif
-  c.bf16_dot_products = has_bf16 && pays;
-  const char* forced = std::getenv("KDA_BF16_DOT_PRODUCTS");
-  if (forced == nullptr || *forced == '\0' || std::strcmp(forced, "auto") == 0) return;
-  if (std::strcmp(forced, "off") == 0) {
+  const Setting setting = read_setting("KDA_BF16_DOT_PRODUCTS", c);
+  c.bf16_dot_products = setting == Setting::kOn || (setting == Setting::kRule && has_bf16 && pays);
+  if (c.bf16_dot_products && !has_bf16) {
     c.bf16_dot_products = false;
-  } else if (std::strcmp(forced, "on") == 0 && has_bf16) {
-    c.bf16_dot_products = true;
-  } else if (std::strcmp(forced, "on") == 0) {
     c.error = std::string(
                   "environment variable KDA_BF16_DOT_PRODUCTS: 'on' needs AVX512_BF16 and the avx512 "
                   "target (target: ") +
               target_name(c.target) + ")";
-  } else {
-    c.error = std::string("environment variable KDA_BF16_DOT_PRODUCTS: expected auto, on or off, got '") + forced + "'";
   }
 }
 
@@ -91,16 +97,12 @@ void choose_bf16_dot_products(TargetChoice& c) {
 // KDA_DECODE_STRIPS=on takes strips on any CPU, off never (ctest runs the decode tests with the
 // setting the vendor rule does not pick, so both kernels are tested on either vendor).
 void choose_decode_strips(TargetChoice& c) {
+  bool rule = false;
 #if defined(KDA_HAVE_X86_TARGETS)
-  c.decode_strips = __builtin_cpu_is("amd");
+  rule = __builtin_cpu_is("amd");
 #endif
-  const char* forced = std::getenv("KDA_DECODE_STRIPS");
-  if (forced == nullptr || *forced == '\0' || std::strcmp(forced, "auto") == 0) return;
-  if (std::strcmp(forced, "on") == 0 || std::strcmp(forced, "off") == 0) {
-    c.decode_strips = std::strcmp(forced, "on") == 0;
-  } else {
-    c.error = std::string("environment variable KDA_DECODE_STRIPS: expected auto, on or off, got '") + forced + "'";
-  }
+  const Setting setting = read_setting("KDA_DECODE_STRIPS", c);
+  c.decode_strips = setting == Setting::kOn || (setting == Setting::kRule && rule);
 }
 
 // The best target this CPU runs (avx512, else avx2, else generic), or the one KDA_CPU_TARGET
