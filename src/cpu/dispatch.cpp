@@ -77,9 +77,8 @@ void choose_bf16_dot_products(TargetChoice& c) {
   pays = __builtin_cpu_is("amd");
 #endif
   const Setting setting = read_setting("KDA_BF16_DOT_PRODUCTS", c);
-  c.bf16_dot_products = setting == Setting::kOn || (setting == Setting::kRule && has_bf16 && pays);
-  if (c.bf16_dot_products && !has_bf16) {
-    c.bf16_dot_products = false;
+  c.bf16_dot_products = has_bf16 && (setting == Setting::kOn || (setting == Setting::kRule && pays));
+  if (setting == Setting::kOn && !has_bf16) {
     c.error = std::string(
                   "environment variable KDA_BF16_DOT_PRODUCTS: 'on' needs AVX512_BF16 and the avx512 "
                   "target (target: ") +
